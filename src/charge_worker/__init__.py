@@ -1,0 +1,1 @@
+"""charge-worker: a NATS JetStream billing consumer that charges each due subscription once."""

@@ -1,0 +1,3 @@
+from charge_worker.cli import main
+
+main(prog_name="charge-worker")

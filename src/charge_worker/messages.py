@@ -1,0 +1,79 @@
+"""The `charge.due/v1` message (contracts/charge-due.md): parsing, validation, identity."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Annotated, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr, ValidationError
+
+from charge_worker.errors import PoisonMessage
+
+SCHEMA = "charge.due/v1"
+MAX_BODY_BYTES = 64 * 1024
+MAX_ORDER_ID = 2**63 - 1
+
+_Id = Annotated[StrictStr, Field(min_length=1, max_length=64)]
+
+
+class ChargeDue(BaseModel):
+    """One subscription whose billing day has come. Unknown extra fields are ignored."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    schema_: Literal["charge.due/v1"] = Field(alias="schema")
+    order_id: int = Field(ge=1, le=MAX_ORDER_ID)
+    billing_period: dt.date
+    subscription_id: _Id
+    customer_id: _Id
+    amount_minor: int = Field(gt=0, le=MAX_ORDER_ID)
+    currency: Annotated[StrictStr, Field(pattern=r"^[A-Z]{3}$")]
+    due_at: AwareDatetime
+
+    @property
+    def key(self) -> str:
+        """The idempotency key: ledger primary key and the gateway's `Idempotency-Key`."""
+        return idempotency_key(self.order_id, self.billing_period)
+
+    @property
+    def msg_id(self) -> str:
+        """The `Nats-Msg-Id` the producer publishes this charge with."""
+        return f"charge:{self.order_id}:{self.billing_period.isoformat()}"
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+def idempotency_key(order_id: int, billing_period: dt.date) -> str:
+    return f"{order_id}:{billing_period.isoformat()}"
+
+
+def parse(body: bytes) -> ChargeDue:
+    """Parse and validate a message body; any breach of the contract is a `PoisonMessage`."""
+    if len(body) > MAX_BODY_BYTES:
+        raise PoisonMessage(f"body is {len(body)} bytes, over the {MAX_BODY_BYTES} byte limit")
+    try:
+        # json first: pydantic would accept a top-level non-object only to fail less clearly,
+        # and Python refuses integers of more than 4300 digits here with a ValueError.
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise PoisonMessage(f"body is not UTF-8 JSON: {_first_line(error)}") from error
+    if not isinstance(data, dict):
+        raise PoisonMessage(f"body is a JSON {type(data).__name__}, not an object")
+    if data.get("schema") != SCHEMA:
+        raise PoisonMessage(f"schema is {data.get('schema')!r}, expected {SCHEMA!r}")
+    try:
+        return ChargeDue.model_validate_json(body)
+    except ValidationError as error:
+        raise PoisonMessage(_describe(error)) from error
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    return f"{where}: {first['msg']}"
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0][:200]

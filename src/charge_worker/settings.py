@@ -1,0 +1,261 @@
+"""The one settings object, read from the environment (then an optional `.env`) once at start.
+
+Groups mirror the parts they configure: `nats`, `db`, `worker`, `scoring`, `gateway`, `http`,
+`log`. Server addresses and the API key keep their conventional names (`NATS_URL`,
+`DATABASE_URL`, `GATEWAY_URL`, `GATEWAY_API_KEY`, `SCORING_URL`); everything else is
+`CHARGE_WORKER_<FIELD>`, with the unit in the name. `load_settings()` turns any invalid value,
+alone or in combination, into one `SettingsError` line that names the environment variable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import model_validator as _model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from charge_worker.errors import SettingsError
+
+ENV_PREFIX = "CHARGE_WORKER_"
+LEASE_MARGIN_S = 5.0
+
+
+def _alias(env: str, field: str) -> Any:
+    """Unset by default; read from `env`, and code may pass the field by its own name."""
+    return Field(None, validation_alias=AliasChoices(env, field))
+
+
+class _Group(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        extra="ignore",
+        populate_by_name=True,
+        frozen=True,
+    )
+
+
+class NatsSettings(_Group):
+    """Where the broker is and how the streams and the durable consumer are shaped."""
+
+    url: str | None = _alias("NATS_URL", "url")
+    nats_creds_file: Path | None = None
+    stream: str = "CHARGES"
+    subject: str = "charges.due"
+    durable: str = "charges-worker"
+    dlq_stream: str = "CHARGES_DLQ"
+    dlq_subject: str = "charges.dlq"
+    ack_wait_s: float = Field(30.0, gt=0)
+    max_deliver: int = Field(5, ge=1)
+    backoff_s: Annotated[tuple[float, ...], NoDecode] = (30.0, 60.0, 300.0, 900.0)
+    max_ack_pending: int = Field(1000, ge=1)
+    duplicate_window_s: float = Field(7200.0, gt=0)
+    publish_retry_horizon_s: float = Field(600.0, ge=0)
+    dlq_max_age_s: float = Field(30 * 86400.0, gt=0)
+    stream_replicas: int = Field(1, ge=1, le=5)
+
+    @field_validator("backoff_s", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip().removeprefix("[").removesuffix("]")
+            return tuple(part.strip() for part in text.split(",") if part.strip())
+        return value
+
+    @field_validator("backoff_s")
+    @classmethod
+    def _positive(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(step <= 0 for step in value):
+            raise ValueError("every backoff step must be > 0 seconds")
+        return value
+
+
+class DbSettings(_Group):
+    """The PostgreSQL ledger."""
+
+    url: str | None = _alias("DATABASE_URL", "url")
+    db_pool_min: int = Field(1, ge=0)
+    db_pool_max: int = Field(10, ge=1)
+    db_command_timeout_s: float = Field(10.0, gt=0)
+
+
+class WorkerSettings(_Group):
+    """The pull loop: concurrency, heartbeats, leases, shutdown."""
+
+    concurrency: int = Field(16, ge=1, le=4096)
+    heartbeat_s: float | None = Field(None, gt=0)
+    processing_budget_s: float = Field(300.0, gt=0)
+    lease_s: float = Field(30.0, gt=0)
+    drain_s: float = Field(20.0, gt=0)
+    fetch_wait_s: float = Field(1.0, gt=0)
+
+
+class ScoringSettings(_Group):
+    """The anti-fraud scoring client."""
+
+    url: str | None = _alias("SCORING_URL", "url")
+    scoring_timeout_s: float = Field(2.0, gt=0)
+    scoring_policy: Literal["defer", "hold"] = "defer"
+    scoring_breaker_failures: int = Field(5, ge=1)
+    scoring_breaker_reset_s: float = Field(30.0, gt=0)
+
+
+class GatewaySettings(_Group):
+    """The payment gateway client."""
+
+    url: str | None = _alias("GATEWAY_URL", "url")
+    api_key: SecretStr | None = _alias("GATEWAY_API_KEY", "api_key")
+    gateway_timeout_s: float = Field(10.0, gt=0)
+    gateway_breaker_failures: int = Field(5, ge=1)
+    gateway_breaker_reset_s: float = Field(30.0, gt=0)
+    gateway_max_connections: int = Field(100, ge=1)
+
+
+class HttpSettings(_Group):
+    """The worker's own HTTP surface: /metrics, /healthz, /readyz."""
+
+    http_host: str = "0.0.0.0"  # noqa: S104  # pods are probed from outside the container
+    metrics_port: int = Field(9090, ge=0, le=65535)
+
+
+class LogSettings(_Group):
+    """Structured logging."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+
+
+def _group(cls: type[_Group]) -> Any:
+    factory: Callable[[], _Group] = cls
+    return Field(default_factory=factory)
+
+
+class Settings(BaseModel):
+    """Every setting of charge-worker, grouped; cross-field rules are checked here."""
+
+    model_config = {"frozen": True}
+
+    nats: NatsSettings = _group(NatsSettings)
+    db: DbSettings = _group(DbSettings)
+    worker: WorkerSettings = _group(WorkerSettings)
+    scoring: ScoringSettings = _group(ScoringSettings)
+    gateway: GatewaySettings = _group(GatewaySettings)
+    http: HttpSettings = _group(HttpSettings)
+    log: LogSettings = _group(LogSettings)
+
+    @property
+    def shortest_ack_wait_s(self) -> float:
+        """The shortest time JetStream waits for an ack on any delivery."""
+        return min((self.nats.ack_wait_s, *self.nats.backoff_s))
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a message in progress tells JetStream so (`+WPI`)."""
+        return self.worker.heartbeat_s or self.shortest_ack_wait_s / 3
+
+    @_model_validator(mode="after")
+    def _cross_field_rules(self) -> Self:
+        nats, worker = self.nats, self.worker
+        backoff = nats.backoff_s
+        if backoff and nats.max_deliver <= len(backoff):
+            raise _Rule(
+                "CHARGE_WORKER_MAX_DELIVER",
+                f"is {nats.max_deliver} but must exceed the {len(backoff)} backoff steps "
+                "(JetStream rejects the consumer otherwise)",
+            )
+        if backoff and backoff[0] != nats.ack_wait_s:
+            raise _Rule(
+                "CHARGE_WORKER_BACKOFF_S",
+                f"starts with {backoff[0]:g}s but CHARGE_WORKER_ACK_WAIT_S is "
+                f"{nats.ack_wait_s:g}s; JetStream uses the first step in place of ack_wait, "
+                "so they must be equal",
+            )
+        if self.heartbeat_s > self.shortest_ack_wait_s / 2:
+            raise _Rule(
+                "CHARGE_WORKER_HEARTBEAT_S",
+                f"is {self.heartbeat_s:g}s but must be at most half the shortest ack wait "
+                f"({self.shortest_ack_wait_s:g}s), or messages in progress get redelivered",
+            )
+        needed = self.scoring.scoring_timeout_s + 2 * self.gateway.gateway_timeout_s
+        if worker.processing_budget_s < needed:
+            raise _Rule(
+                "CHARGE_WORKER_PROCESSING_BUDGET_S",
+                f"is {worker.processing_budget_s:g}s but one message may need {needed:g}s "
+                "(scoring timeout + gateway lookup + gateway charge)",
+            )
+        if worker.lease_s < self.gateway.gateway_timeout_s + LEASE_MARGIN_S:
+            raise _Rule(
+                "CHARGE_WORKER_LEASE_S",
+                f"is {worker.lease_s:g}s but must outlive CHARGE_WORKER_GATEWAY_TIMEOUT_S "
+                f"({self.gateway.gateway_timeout_s:g}s) by {LEASE_MARGIN_S:g}s, so a taken-over "
+                "row's earlier gateway call has finished",
+            )
+        if nats.max_ack_pending < worker.concurrency:
+            raise _Rule(
+                "CHARGE_WORKER_MAX_ACK_PENDING",
+                f"is {nats.max_ack_pending} but CHARGE_WORKER_CONCURRENCY is "
+                f"{worker.concurrency}; the consumer would stall below it",
+            )
+        if nats.duplicate_window_s < nats.publish_retry_horizon_s:
+            raise _Rule(
+                "CHARGE_WORKER_DUPLICATE_WINDOW_S",
+                f"is {nats.duplicate_window_s:g}s, shorter than the producer's retry horizon "
+                f"CHARGE_WORKER_PUBLISH_RETRY_HORIZON_S ({nats.publish_retry_horizon_s:g}s)",
+            )
+        if self.db.db_pool_max < self.db.db_pool_min:
+            raise _Rule("CHARGE_WORKER_DB_POOL_MAX", "must be >= CHARGE_WORKER_DB_POOL_MIN")
+        return self
+
+
+class _Rule(ValueError):
+    """A broken cross-field rule; carries the environment variable to name."""
+
+    def __init__(self, env: str, problem: str) -> None:
+        super().__init__(f"{env} {problem}")
+        self.env = env
+
+
+def env_name(group: type[BaseModel], field: str) -> str:
+    """The environment variable that sets `field` of `group`."""
+    alias = group.model_fields[field].validation_alias
+    if isinstance(alias, AliasChoices):
+        first = alias.choices[0]
+        assert isinstance(first, str)
+        return first
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _one_line(group: type[BaseModel], error: ValidationError) -> str:
+    first = error.errors()[0]
+    field = next((str(part) for part in first["loc"] if isinstance(part, str)), "")
+    if isinstance(first.get("ctx", {}).get("error"), _Rule):
+        return str(first["ctx"]["error"])
+    name = env_name(group, field) if field in group.model_fields else field.upper()
+    return f"{name}: {first['msg']}"
+
+
+def load_settings() -> Settings:
+    """Read and check every setting; raise `SettingsError` naming the first bad one."""
+    groups: dict[str, _Group] = {}
+    for name, info in Settings.model_fields.items():
+        cls = info.annotation
+        assert isinstance(cls, type)
+        assert issubclass(cls, _Group)
+        try:
+            groups[name] = cls()
+        except ValidationError as error:
+            raise SettingsError(_one_line(cls, error)) from error
+    try:
+        return Settings.model_validate(groups)
+    except ValidationError as error:
+        raise SettingsError(_one_line(Settings, error)) from error
+
+
+def require(value: str | None, env: str) -> str:
+    """Return a server address that this command needs, or fail naming its variable."""
+    if not value:
+        raise SettingsError(f"{env} is not set; this command needs it")
+    return value

@@ -1,0 +1,200 @@
+"""Idempotent provisioning of the `CHARGES` and `CHARGES_DLQ` streams and the durable consumer.
+
+Missing pieces are created as configured. Pieces that exist with another configuration are
+never overwritten silently: each difference is reported as a `Drift`, and only with
+`apply=True` are the fields JetStream lets us change updated in place. (`pull_subscribe`
+ignores the config of an existing durable, which is why this module exists at all.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from charge_worker.errors import DependencyUnavailable, ProvisioningError
+from charge_worker.settings import NatsSettings, require
+
+DLQ_DUPLICATE_WINDOW_S = 86400.0
+# Fields JetStream refuses to change on an existing stream or consumer.
+_FIXED_STREAM_FIELDS = frozenset({"storage", "retention"})
+_FIXED_CONSUMER_FIELDS = frozenset({"ack_policy", "deliver_policy"})
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One field of a stream or consumer that differs from the configuration."""
+
+    kind: str  # "stream" | "consumer"
+    name: str
+    field: str
+    actual: object
+    wanted: object
+
+    @property
+    def changeable(self) -> bool:
+        fixed = _FIXED_STREAM_FIELDS if self.kind == "stream" else _FIXED_CONSUMER_FIELDS
+        return self.field not in fixed
+
+    def __str__(self) -> str:
+        how = "" if self.changeable else " (JetStream cannot change it: recreate by hand)"
+        where = f"{self.kind} {self.name}: {self.field}"
+        return f"{where} is {self.actual!r}, configured {self.wanted!r}{how}"
+
+
+@dataclass
+class ProvisionReport:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    drift: list[Drift] = field(default_factory=list)
+
+
+def charges_stream(cfg: NatsSettings) -> StreamConfig:
+    return StreamConfig(
+        name=cfg.stream,
+        subjects=[cfg.subject],
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        duplicate_window=cfg.duplicate_window_s,
+        num_replicas=cfg.stream_replicas,
+    )
+
+
+def dlq_stream(cfg: NatsSettings) -> StreamConfig:
+    return StreamConfig(
+        name=cfg.dlq_stream,
+        subjects=[cfg.dlq_subject],
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        max_age=cfg.dlq_max_age_s,
+        duplicate_window=DLQ_DUPLICATE_WINDOW_S,
+        num_replicas=cfg.stream_replicas,
+    )
+
+
+def worker_consumer(cfg: NatsSettings) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=cfg.durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=cfg.ack_wait_s,
+        max_deliver=cfg.max_deliver,
+        backoff=list(cfg.backoff_s) or None,
+        max_ack_pending=cfg.max_ack_pending,
+        filter_subject=cfg.subject,
+    )
+
+
+_STREAM_FIELDS = ("subjects", "storage", "retention", "duplicate_window", "max_age", "num_replicas")
+_CONSUMER_FIELDS = (
+    "ack_policy",
+    "deliver_policy",
+    "ack_wait",
+    "max_deliver",
+    "backoff",
+    "max_ack_pending",
+    "filter_subject",
+)
+
+
+def _norm(value: object) -> object:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_norm(v) for v in value]
+    return getattr(value, "value", value)  # enums compare by their wire value
+
+
+def diff(
+    kind: str, name: str, actual: object, wanted: object, fields: Iterable[str]
+) -> list[Drift]:
+    """The configured fields whose values differ; unset (None) wanted fields are skipped."""
+    drift = []
+    for name_ in fields:
+        want = _norm(getattr(wanted, name_))
+        have = _norm(getattr(actual, name_))
+        if name_ == "max_age" and want is None:
+            want = 0  # JetStream reports "no limit" as 0
+        if want is not None and have != want:
+            drift.append(Drift(kind, name, name_, have, want))
+    return drift
+
+
+async def _ensure_stream(
+    js: JetStreamContext, wanted: StreamConfig, apply: bool, report: ProvisionReport
+) -> None:
+    assert wanted.name is not None
+    try:
+        info = await js.stream_info(wanted.name)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(wanted)
+        report.created.append(f"stream {wanted.name}")
+        return
+    drift = diff("stream", wanted.name, info.config, wanted, _STREAM_FIELDS)
+    report.drift.extend(drift)
+    if apply and drift and all(d.changeable for d in drift):
+        await js.update_stream(wanted)
+        report.updated.append(f"stream {wanted.name}")
+
+
+async def _ensure_consumer(
+    js: JetStreamContext, stream: str, wanted: ConsumerConfig, apply: bool, report: ProvisionReport
+) -> None:
+    assert wanted.durable_name is not None
+    try:
+        info = await js.consumer_info(stream, wanted.durable_name)
+    except nats.js.errors.NotFoundError:
+        await js.add_consumer(stream, wanted)
+        report.created.append(f"consumer {stream}/{wanted.durable_name}")
+        return
+    drift = diff("consumer", wanted.durable_name, info.config, wanted, _CONSUMER_FIELDS)
+    report.drift.extend(drift)
+    if apply and drift and all(d.changeable for d in drift):
+        await js.add_consumer(stream, wanted)  # create-or-update on an existing durable
+        report.updated.append(f"consumer {stream}/{wanted.durable_name}")
+
+
+async def provision(
+    js: JetStreamContext, cfg: NatsSettings, *, apply: bool = False
+) -> ProvisionReport:
+    """Create what is missing; report (and with `apply`, update) what differs."""
+    report = ProvisionReport()
+    try:
+        await _ensure_stream(js, charges_stream(cfg), apply, report)
+        await _ensure_stream(js, dlq_stream(cfg), apply, report)
+        await _ensure_consumer(js, cfg.stream, worker_consumer(cfg), apply, report)
+    except nats.js.errors.APIError as error:
+        raise ProvisioningError(
+            f"JetStream refused the configuration: {error.description}"
+        ) from error
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
+        raise DependencyUnavailable(f"JetStream did not answer: {error!r}") from error
+    return report
+
+
+async def connect(cfg: NatsSettings, *, name: str) -> Client:
+    """Connect to NATS_URL, reconnecting forever once connected; fail fast if it is down now."""
+    url = require(cfg.url, "NATS_URL")
+    try:
+        return await nats.connect(
+            url,
+            name=name,
+            user_credentials=str(cfg.nats_creds_file) if cfg.nats_creds_file else None,
+            connect_timeout=5,
+            max_reconnect_attempts=-1,
+        )
+    except (OSError, TimeoutError, nats.errors.Error) as error:
+        raise DependencyUnavailable(f"cannot connect to NATS at {url}: {error!r}") from error

@@ -1,0 +1,92 @@
+"""The charge.due/v1 contract: valid bodies parse; every breach is poison with a reason."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from charge_worker.errors import PoisonMessage
+from charge_worker.messages import MAX_BODY_BYTES, ChargeDue, parse
+
+VALID: dict[str, object] = {
+    "schema": "charge.due/v1",
+    "order_id": 48291,
+    "billing_period": "2026-09-01",
+    "subscription_id": "sub_7Q2",
+    "customer_id": "cus_42",
+    "amount_minor": 99000,
+    "currency": "RUB",
+    "due_at": "2026-09-01T00:00:00Z",
+}
+
+
+def body(**changes: object) -> bytes:
+    data = {**VALID, **changes}
+    return json.dumps({k: v for k, v in data.items() if v is not ...}).encode()
+
+
+def test_contract_example_parses() -> None:
+    charge = parse(body(unknown_future_field={"x": 1}))
+    assert charge.key == "48291:2026-09-01"
+    assert charge.msg_id == "charge:48291:2026-09-01"
+    assert charge.billing_period == dt.date(2026, 9, 1)
+    assert charge.amount_minor == 99000
+
+
+POISON = [
+    (b"not json", "not UTF-8 JSON"),
+    (b"\xff\xfe", "not UTF-8 JSON"),
+    (b"[1, 2]", "not an object"),
+    (b'{"order_id": ' + b"9" * 5000 + b"}", "not UTF-8 JSON"),
+    (b" " * (MAX_BODY_BYTES + 1), "byte limit"),
+    (body(schema="charge.due/v2"), "schema"),
+    (body(schema=...), "schema"),
+    (body(order_id=...), "order_id"),
+    (body(order_id="48291"), "order_id"),
+    (body(order_id=0), "order_id"),
+    (body(order_id=2**63), "order_id"),
+    (body(order_id=True), "order_id"),
+    (body(amount_minor=0), "amount_minor"),
+    (body(amount_minor=-100), "amount_minor"),
+    (body(amount_minor=990.5), "amount_minor"),
+    (body(amount_minor=990.0), "amount_minor"),
+    (body(amount_minor="990"), "amount_minor"),
+    (body(currency="rub"), "currency"),
+    (body(currency="RUBL"), "currency"),
+    (body(billing_period="2026-9-1"), "billing_period"),
+    (body(billing_period="2026-09-01T00:00:00Z"), "billing_period"),
+    (body(due_at="2026-09-01T00:00:00"), "due_at"),
+    (body(customer_id=""), "customer_id"),
+    (body(customer_id="c" * 65), "customer_id"),
+    (body(subscription_id=17), "subscription_id"),
+]
+
+
+@pytest.mark.parametrize(("raw", "reason"), POISON)
+def test_breach_is_poison_with_a_reason(raw: bytes, reason: str) -> None:
+    with pytest.raises(PoisonMessage, match=reason) as caught:
+        parse(raw)
+    assert "\n" not in str(caught.value)
+
+
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_never_escape_as_another_error(raw: bytes) -> None:
+    try:
+        parse(raw)
+    except PoisonMessage:
+        pass
+
+
+@given(
+    order_id=st.integers(1, 2**63 - 1),
+    amount=st.integers(1, 10**12),
+    day=st.dates(dt.date(2000, 1, 1), dt.date(2100, 1, 1)),
+)
+def test_round_trip(order_id: int, amount: int, day: dt.date) -> None:
+    charge = parse(body(order_id=order_id, amount_minor=amount, billing_period=day.isoformat()))
+    assert parse(charge.to_json()) == charge
+    assert isinstance(charge, ChargeDue)
