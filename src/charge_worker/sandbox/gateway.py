@@ -1,0 +1,401 @@
+"""A payment gateway simulator implementing `contracts/gateway.md` (webhook delivery: not yet).
+
+`build_gateway_app(GatewayConfig(...))` returns a Starlette app; its state is the
+`GatewaySimulator` at `app.state.sim`, in memory only.
+
+Rules:
+
+* auth: every `/v1` request needs `Authorization: Bearer <api_key>`, else `401`;
+* decline rule: a customer id starting with `cus_decline` is declined: `402 card_declined`.
+  The attempt is recorded as a charge with status `failed` (lookups find it) and its answer
+  is kept for replay like any other;
+* validation: a body that is not a JSON object, a missing or unknown parameter, or a bad
+  query is `400`; a present parameter with a wrong type or value is `422`
+  (amount: positive int, not bool or float; currency: three upper-case letters; customer:
+  non-empty string; metadata: string `order_id` and `billing_period`, string values);
+* idempotency (charges and refunds, key required): same key and parameters replay the
+  original status and body with `Idempotent-Replayed: true`; other parameters: `400
+  key_reused`; the key still executing: `409 request_in_progress`. Invalid requests and
+  injected errors are not kept; a key is kept `key_retention_s` after first use.
+
+Knobs (`GatewayConfig`, also `POST /_sim/config` at runtime):
+
+* `api_key` (`sk_test_sandbox`); `seed` (`None`: random);
+* `latency`: a `LatencyModel` (default 0 s) for every `/v1` request; for a charge it is the
+  time the key stays in progress;
+* `error_rates`: `{status: probability}` for `429` and `5xx`, drawn for every `/v1` request
+  after auth and before anything is recorded; `429` carries `Retry-After: retry_after_s`;
+* `lost_answer_rate`, `lost_answer_mode`: a new charge (or decline) is recorded and its answer
+  kept for replay, then `"timeout"` waits `lost_answer_delay_s` (30 s; cut short when the
+  client hangs up) before answering, `"5xx"` answers `502`: an unknown outcome;
+* `idempotency_enabled` (true): false charges every request anew;
+* `key_retention_s` (86400).
+
+Endpoints: `POST /v1/charges`, `GET /v1/charges` (`order_id` + `billing_period`: every
+match; and/or paging by `created_gte`, `created_lt`, `limit` 1..100 default 10,
+`starting_after`; oldest first, `has_more`), `POST /v1/refunds` (`charge`, `reason`); and,
+without auth, `GET /_sim/charges` (every charge with its `idempotency_key`), `GET /_sim/stats`
+(requests by endpoint and status, injected errors, lost answers) and the control routes of
+`simulator.py` (`/_sim/config`, `/_sim/reset`).
+
+Webhook seam: every change of a charge object is passed to `sim.events.publish(type,
+snapshot)` (`charge.succeeded`, `charge.failed`, `charge.refunded`); the default sink drops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from charge_worker.sandbox.gateway_requests import (
+    ChargeParams,
+    InvalidRequest,
+    parse_charge,
+    parse_query,
+    parse_refund,
+)
+from charge_worker.sandbox.gateway_state import (
+    Charge,
+    ChargeBook,
+    Claimed,
+    IdempotencyKeys,
+    InProgress,
+    KeyReused,
+    RefundRefused,
+    Replay,
+    StoredResponse,
+)
+from charge_worker.sandbox.latency import LatencyModel
+from charge_worker.sandbox.simulator import Simulator, pause, read_json
+
+DECLINE_PREFIX = "cus_decline"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayConfig(BaseModel):
+    """The gateway simulator's knobs (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key: str = "sk_test_sandbox"
+    latency: LatencyModel = LatencyModel()
+    error_rates: dict[int, float] = Field(default_factory=dict)
+    retry_after_s: int = Field(1, ge=0)
+    lost_answer_rate: float = Field(0.0, ge=0, le=1)
+    lost_answer_mode: Literal["timeout", "5xx"] = "timeout"
+    lost_answer_delay_s: float = Field(30.0, ge=0)
+    idempotency_enabled: bool = True
+    key_retention_s: float = Field(86400.0, gt=0)
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _valid_error_rates(self) -> Self:
+        for status, rate in self.error_rates.items():
+            if status != 429 and not 500 <= status <= 599:
+                raise ValueError(f"error_rates: {status} is not 429 or 5xx")
+            if not 0 <= rate <= 1:
+                raise ValueError(f"error_rates: {status} rate {rate} is not in 0..1")
+        if sum(self.error_rates.values()) > 1:
+            raise ValueError("error_rates add up to more than 1")
+        return self
+
+
+class ChargeEvents(Protocol):
+    """Where the simulator announces each change of a charge object (webhook delivery)."""
+
+    def publish(self, event_type: str, snapshot: dict[str, Any]) -> None:
+        """Take note of an event; must not block."""
+
+
+class NoEvents:
+    """Drops every event."""
+
+    def publish(self, event_type: str, snapshot: dict[str, Any]) -> None:
+        """Do nothing."""
+
+
+def api_error(
+    status_code: int,
+    error_type: str,
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """A Stripe-like error answer: `{"error": {"type", "code", "message"[, "param"]}}`."""
+    return JSONResponse(
+        {"error": _error_body(error_type, code, message, param)},
+        status_code=status_code,
+        headers=headers,
+    )
+
+
+def _error_body(error_type: str, code: str, message: str, param: str | None) -> dict[str, Any]:
+    error = {"type": error_type, "code": code, "message": message}
+    if param is not None:
+        error["param"] = param
+    return error
+
+
+def _rejected(exc: InvalidRequest) -> JSONResponse:
+    return api_error(
+        exc.status_code, "invalid_request_error", exc.code, exc.message, param=exc.param
+    )
+
+
+class GatewaySimulator(Simulator[GatewayConfig]):
+    """The gateway's state (charges, refunds, keys, counters) and its request handlers."""
+
+    def __init__(self, config: GatewayConfig, events: ChargeEvents | None = None) -> None:
+        self.events: ChargeEvents = events or NoEvents()
+        super().__init__(config)
+
+    @property
+    def seed(self) -> int | None:
+        """The configured seed."""
+        return self.config.seed
+
+    def clear(self) -> None:
+        """Forget every charge, refund, key and counter."""
+        # Replaced, not emptied: a request in flight during a reset finishes on the old ones.
+        self.book = ChargeBook()
+        self.keys = IdempotencyKeys()
+        self.by_endpoint: Counter[str] = Counter()
+        self.by_status: Counter[str] = Counter()
+        self.injected_errors = 0
+        self.lost_answers = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Requests by endpoint and by status, injected errors, lost answers, totals."""
+        return {
+            "requests": sum(self.by_endpoint.values()),
+            "by_endpoint": dict(self.by_endpoint),
+            "by_status": dict(self.by_status),
+            "injected_errors": self.injected_errors,
+            "lost_answers": self.lost_answers,
+            "charges": len(self.book.charges),
+            "refunds": len(self.book.refunds),
+        }
+
+    def routes(self) -> list[Route]:
+        """Every route of the simulator."""
+        return [
+            Route("/v1/charges", self._counted("POST /v1/charges", self.create_charge), methods=["POST"]),
+            Route("/v1/charges", self._counted("GET /v1/charges", self.list_charges), methods=["GET"]),
+            Route("/v1/refunds", self._counted("POST /v1/refunds", self.create_refund), methods=["POST"]),
+            Route("/_sim/charges", self.all_charges, methods=["GET"]),
+            *self.control_routes(),
+        ]
+
+    def _counted(self, endpoint: str, handler: Handler) -> Handler:
+        async def counted(request: Request) -> Response:
+            response = await handler(request)
+            self.by_endpoint[endpoint] += 1
+            self.by_status[str(response.status_code)] += 1
+            return response
+
+        return counted
+
+    async def create_charge(self, request: Request) -> Response:
+        """`POST /v1/charges`."""
+        if (refused := self._guard(request)) is not None:
+            return refused
+        key = request.headers.get("idempotency-key", "")
+        try:
+            if not key:
+                raise InvalidRequest(
+                    400, "parameter_missing", "Idempotency-Key is required.", "Idempotency-Key"
+                )
+            params = parse_charge(await read_json(request))
+        except InvalidRequest as exc:
+            return _rejected(exc)
+        return await self._execute(
+            request, key, params.fingerprint(), lambda book: self._charge(book, params, key), True
+        )
+
+    async def create_refund(self, request: Request) -> Response:
+        """`POST /v1/refunds`."""
+        if (refused := self._guard(request)) is not None:
+            return refused
+        key = request.headers.get("idempotency-key", "")
+        try:
+            if not key:
+                raise InvalidRequest(
+                    400, "parameter_missing", "Idempotency-Key is required.", "Idempotency-Key"
+                )
+            params = parse_refund(await read_json(request))
+        except InvalidRequest as exc:
+            return _rejected(exc)
+        return await self._execute(
+            request, key, params.fingerprint(), lambda book: self._refund(book, params.charge), False
+        )
+
+    async def list_charges(self, request: Request) -> Response:
+        """`GET /v1/charges`."""
+        if (refused := self._guard(request)) is not None:
+            return refused
+        try:
+            query = parse_query(request.query_params)
+        except InvalidRequest as exc:
+            return _rejected(exc)
+        book = self.book
+        await asyncio.sleep(self.config.latency.sample(self.rng))
+        try:
+            charges, has_more = book.find(query)
+        except KeyError:
+            return api_error(
+                400,
+                "invalid_request_error",
+                "resource_missing",
+                f"No such charge: '{query.starting_after}'",
+                param="starting_after",
+            )
+        data = [charge.to_json() for charge in charges]
+        return JSONResponse({"object": "list", "data": data, "has_more": has_more})
+
+    async def all_charges(self, request: Request) -> Response:
+        """`GET /_sim/charges`: every charge ever made, with the key that made it."""
+        data = [c.to_json() | {"idempotency_key": c.idempotency_key} for c in self.book.charges]
+        return JSONResponse({"data": data})
+
+    def _guard(self, request: Request) -> Response | None:
+        """Auth, then an injected error, if either stops the request here."""
+        expected = f"Bearer {self.config.api_key}".encode()
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            return api_error(
+                401,
+                "invalid_request_error",
+                "api_key_invalid",
+                "Invalid API key provided.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        status = self._draw_error()
+        if status is None:
+            return None
+        self.injected_errors += 1
+        if status == 429:
+            retry_after = {"Retry-After": str(self.config.retry_after_s)}
+            return api_error(
+                429, "rate_limit_error", "rate_limit", "Too many requests.", headers=retry_after
+            )
+        return api_error(status, "api_error", "simulated_error", f"Simulated {status}.")
+
+    def _draw_error(self) -> int | None:
+        rates = self.config.error_rates
+        if not rates:
+            return None
+        draw, cumulative = self.rng.random(), 0.0
+        for status, rate in sorted(rates.items()):
+            cumulative += rate
+            if draw < cumulative:
+                return status
+        return None
+
+    async def _execute(
+        self,
+        request: Request,
+        key: str,
+        fingerprint: str,
+        execute: Callable[[ChargeBook], StoredResponse],
+        answer_may_be_lost: bool,
+    ) -> Response:
+        """Run `execute` once per idempotency key, replaying its answer to repeats."""
+        config, book, keys = self.config, self.book, self.keys
+        if config.idempotency_enabled:
+            claim = keys.claim(
+                key, fingerprint, now=time.monotonic(), retention_s=config.key_retention_s
+            )
+            match claim:
+                case Replay(response):
+                    return _answer(response, replayed=True)
+                case InProgress():
+                    return api_error(
+                        409,
+                        "idempotency_error",
+                        "request_in_progress",
+                        "A request with this idempotency key is being processed.",
+                    )
+                case KeyReused():
+                    return api_error(
+                        400,
+                        "idempotency_error",
+                        "key_reused",
+                        "This idempotency key was used with different parameters.",
+                    )
+                case Claimed():
+                    pass
+        try:
+            await asyncio.sleep(config.latency.sample(self.rng))
+            response = execute(book)
+        except BaseException:
+            if config.idempotency_enabled:
+                keys.release(key)
+            raise
+        if config.idempotency_enabled:
+            keys.complete(key, response)
+        if answer_may_be_lost and config.lost_answer_rate and self.rng.random() < config.lost_answer_rate:
+            self.lost_answers += 1
+            if config.lost_answer_mode == "5xx":
+                return api_error(502, "api_error", "bad_gateway", "The upstream answer was lost.")
+            await pause(request, config.lost_answer_delay_s)
+        return _answer(response)
+
+    def _new_id(self, prefix: str, book: ChargeBook) -> str:
+        while book.get(new_id := f"{prefix}_{self.rng.getrandbits(96):024x}") is not None:
+            pass
+        return new_id
+
+    def _charge(self, book: ChargeBook, params: ChargeParams, key: str) -> StoredResponse:
+        declined = params.customer.startswith(DECLINE_PREFIX)
+        charge = book.add(
+            Charge(
+                id=self._new_id("ch", book),
+                amount=params.amount,
+                currency=params.currency,
+                customer=params.customer,
+                metadata=params.metadata,
+                created=int(time.time()),
+                status="failed" if declined else "succeeded",
+                idempotency_key=key,
+            )
+        )
+        self.events.publish(f"charge.{charge.status}", charge.to_json())
+        if not declined:
+            return StoredResponse(200, charge.to_json())
+        error = _error_body("card_error", "card_declined", "Your card was declined.", None)
+        return StoredResponse(402, {"error": error | {"charge": charge.id}})
+
+    def _refund(self, book: ChargeBook, charge_id: str) -> StoredResponse:
+        try:
+            refund = book.refund(charge_id, self._new_id("re", book), int(time.time()))
+        except RefundRefused as exc:
+            error = _error_body("invalid_request_error", exc.code, exc.message, "charge")
+            return StoredResponse(exc.status_code, {"error": error})
+        charge = book.get(charge_id)
+        if charge is not None:
+            self.events.publish("charge.refunded", charge.to_json())
+        return StoredResponse(200, refund.to_json())
+
+
+def _answer(response: StoredResponse, *, replayed: bool = False) -> JSONResponse:
+    headers = {"Idempotent-Replayed": "true"} if replayed else None
+    return JSONResponse(response.body, status_code=response.status_code, headers=headers)
+
+
+def build_gateway_app(config: GatewayConfig | None = None) -> Starlette:
+    """The gateway simulator as an ASGI app; its `GatewaySimulator` is `app.state.sim`."""
+    sim = GatewaySimulator(config or GatewayConfig())
+    app = Starlette(routes=sim.routes())
+    app.state.sim = sim
+    return app

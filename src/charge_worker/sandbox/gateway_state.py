@@ -1,0 +1,229 @@
+"""The gateway simulator's memory: charges, refunds and idempotency keys. Pure, no I/O.
+
+Time comes in as arguments (`now`: a monotonic clock for key expiry, `created`: unix seconds
+for the charge objects), so everything here is deterministic and unit-testable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ChargeStatus = Literal["succeeded", "failed", "refunded"]
+
+
+@dataclass
+class Charge:
+    """One charge the gateway made (or declined: status `failed`)."""
+
+    id: str
+    amount: int
+    currency: str
+    customer: str
+    metadata: dict[str, str]
+    created: int
+    status: ChargeStatus
+    idempotency_key: str
+    seq: int = 0
+    revision: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        """The charge object as the API shows it."""
+        return {
+            "id": self.id,
+            "object": "charge",
+            "status": self.status,
+            "amount": self.amount,
+            "currency": self.currency,
+            "customer": self.customer,
+            "metadata": dict(self.metadata),
+            "created": self.created,
+            "revision": self.revision,
+        }
+
+
+@dataclass(frozen=True)
+class Refund:
+    """A full refund of one charge."""
+
+    id: str
+    charge_id: str
+    amount: int
+    created: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The refund object as the API shows it."""
+        return {
+            "id": self.id,
+            "object": "refund",
+            "charge": self.charge_id,
+            "amount": self.amount,
+            "status": "succeeded",
+            "created": self.created,
+        }
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response kept under an idempotency key, replayed as is."""
+
+    status_code: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The key is new (or expired): the caller executes the request, then `complete`s it."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The key was used with the same parameters: answer the original response."""
+
+    response: StoredResponse
+
+
+@dataclass(frozen=True)
+class InProgress:
+    """A request with this key is executing right now."""
+
+
+@dataclass(frozen=True)
+class KeyReused:
+    """The key was used with different parameters."""
+
+
+KeyClaim = Claimed | Replay | InProgress | KeyReused
+
+
+@dataclass
+class _KeyRecord:
+    fingerprint: str
+    expires_at: float
+    response: StoredResponse | None = None
+
+
+@dataclass
+class IdempotencyKeys:
+    """Idempotency keys with the responses they produced, each kept for a retention period."""
+
+    _records: dict[str, _KeyRecord] = field(default_factory=dict)
+
+    def claim(self, key: str, fingerprint: str, *, now: float, retention_s: float) -> KeyClaim:
+        """Decide what a request with `key` and these parameters (`fingerprint`) gets."""
+        self._forget_expired(now)
+        record = self._records.get(key)
+        if record is None:
+            self._records[key] = _KeyRecord(fingerprint, now + retention_s)
+            return Claimed()
+        if record.fingerprint != fingerprint:
+            return KeyReused()
+        if record.response is None:
+            return InProgress()
+        return Replay(record.response)
+
+    def complete(self, key: str, response: StoredResponse) -> None:
+        """Keep the response of a claimed key for replay."""
+        if (record := self._records.get(key)) is not None:
+            record.response = response
+
+    def release(self, key: str) -> None:
+        """Forget a claim whose request did not finish, so the key can be retried."""
+        record = self._records.get(key)
+        if record is not None and record.response is None:
+            del self._records[key]
+
+    def _forget_expired(self, now: float) -> None:
+        # A key still executing is kept: forgetting it would let a retry charge twice.
+        expired = [
+            key
+            for key, record in self._records.items()
+            if record.response is not None and record.expires_at <= now
+        ]
+        for key in expired:
+            del self._records[key]
+
+
+class RefundRefused(Exception):
+    """A refund the gateway will not make; `status_code` and `code` are the API's answer."""
+
+    def __init__(self, status_code: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ChargeQuery:
+    """A validated `GET /v1/charges` query; `limit=None` means every match."""
+
+    order_id: str | None = None
+    billing_period: str | None = None
+    created_gte: int | None = None
+    created_lt: int | None = None
+    limit: int | None = None
+    starting_after: str | None = None
+
+
+@dataclass
+class ChargeBook:
+    """Every charge and refund, in the order they were made."""
+
+    charges: list[Charge] = field(default_factory=list)
+    refunds: list[Refund] = field(default_factory=list)
+    _by_id: dict[str, Charge] = field(default_factory=dict)
+
+    def add(self, charge: Charge) -> Charge:
+        """Record a charge; it is ordered after every earlier one."""
+        charge.seq = len(self.charges)
+        self.charges.append(charge)
+        self._by_id[charge.id] = charge
+        return charge
+
+    def get(self, charge_id: str) -> Charge | None:
+        """The charge with this id, if any."""
+        return self._by_id.get(charge_id)
+
+    def find(self, query: ChargeQuery) -> tuple[list[Charge], bool]:
+        """Charges matching `query`, oldest first, and whether more follow the page.
+
+        Raises `KeyError` when `starting_after` names no charge.
+        """
+        after = -1 if query.starting_after is None else self._by_id[query.starting_after].seq
+        matches = [c for c in self.charges[after + 1 :] if _matches(c, query)]
+        if query.limit is None:
+            return matches, False
+        return matches[: query.limit], len(matches) > query.limit
+
+    def refund(self, charge_id: str, refund_id: str, created: int) -> Refund:
+        """Refund a charge in full, or raise `RefundRefused`."""
+        charge = self._by_id.get(charge_id)
+        if charge is None:
+            raise RefundRefused(404, "resource_missing", f"No such charge: '{charge_id}'")
+        if charge.status == "refunded":
+            raise RefundRefused(
+                400, "charge_already_refunded", f"Charge {charge_id} has already been refunded."
+            )
+        if charge.status != "succeeded":
+            raise RefundRefused(
+                400, "charge_not_refundable", f"Charge {charge_id} failed; nothing to refund."
+            )
+        charge.status = "refunded"
+        charge.revision += 1
+        refund = Refund(refund_id, charge_id, charge.amount, created)
+        self.refunds.append(refund)
+        return refund
+
+
+def _matches(charge: Charge, query: ChargeQuery) -> bool:
+    if query.order_id is not None and charge.metadata.get("order_id") != query.order_id:
+        return False
+    if (
+        query.billing_period is not None
+        and charge.metadata.get("billing_period") != query.billing_period
+    ):
+        return False
+    if query.created_gte is not None and charge.created < query.created_gte:
+        return False
+    return query.created_lt is None or charge.created < query.created_lt
