@@ -1,0 +1,116 @@
+"""Pure decisions: what happened to a message -> what to tell JetStream. No I/O here.
+
+| outcome                                   | action                                   |
+|-------------------------------------------|------------------------------------------|
+| charged, declined, blocked, duplicate     | ack                                      |
+| poison, conflict, rejected                | dead letter with that reason, then term  |
+| any retryable outcome, deliveries left    | nak with delay (its own, else backoff)   |
+| any retryable outcome, last delivery      | dead letter `max_deliveries`, then term  |
+
+The delay of a retryable outcome is the one it carries (the gateway's `Retry-After`, the
+time left on another worker's lease), or else the consumer's backoff step for this delivery,
+so a nak waits as long as an ack timeout would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from charge_worker import errors
+
+
+class Outcome(StrEnum):
+    """What processing one delivery came to; also the `outcome` label of the metrics."""
+
+    CHARGED = "charged"
+    DECLINED = "declined"
+    BLOCKED = "blocked"
+    DUPLICATE = "duplicate"
+    POISON = "poison"
+    CONFLICT = "conflict"
+    REJECTED = "rejected"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    IN_PROGRESS = "in_progress"
+    RATE_LIMITED = "rate_limited"
+    LEASE_HELD = "lease_held"
+    UNAVAILABLE = "unavailable"
+
+
+FINAL = frozenset({Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE})
+PERMANENT = frozenset({Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED})
+
+
+@dataclass(frozen=True)
+class Result:
+    """An outcome, with the delay it asks for and a one-line cause when it is not final."""
+
+    outcome: Outcome
+    retry_after_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Ack:
+    pass
+
+
+@dataclass(frozen=True)
+class Nak:
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    reason: str  # poison | conflict | rejected | max_deliveries
+
+
+Action = Ack | Nak | DeadLetter
+
+_BY_ERROR: list[tuple[type[errors.ChargeWorkerError], Outcome]] = [
+    (errors.PoisonMessage, Outcome.POISON),
+    (errors.PayloadConflict, Outcome.CONFLICT),
+    (errors.PermanentError, Outcome.REJECTED),
+    (errors.OutcomeUnknown, Outcome.OUTCOME_UNKNOWN),
+    (errors.RequestInProgress, Outcome.IN_PROGRESS),
+    (errors.RateLimited, Outcome.RATE_LIMITED),
+    (errors.LeaseHeld, Outcome.LEASE_HELD),
+    (errors.TransientError, Outcome.UNAVAILABLE),
+    (errors.AlreadySettled, Outcome.DUPLICATE),
+]
+
+
+def result_of(error: errors.ChargeWorkerError) -> Result:
+    """The result a domain error stands for (the most specific class wins)."""
+    for cls, outcome in _BY_ERROR:
+        if isinstance(error, cls):
+            retry = error.retry_after_s if isinstance(error, errors.TransientError) else None
+            return Result(outcome, retry, str(error))
+    return Result(Outcome.UNAVAILABLE, None, str(error))
+
+
+def backoff_delay(delivery: int, backoff_s: tuple[float, ...], ack_wait_s: float) -> float:
+    """The consumer's backoff step for this delivery (the last step repeats)."""
+    if not backoff_s:
+        return ack_wait_s
+    return backoff_s[min(max(delivery, 1), len(backoff_s)) - 1]
+
+
+def decide(
+    result: Result,
+    delivery: int,
+    *,
+    max_deliver: int,
+    backoff_s: tuple[float, ...],
+    ack_wait_s: float,
+) -> Action:
+    """The one mapping from a delivery's result to what JetStream is told."""
+    if result.outcome in FINAL:
+        return Ack()
+    if result.outcome in PERMANENT:
+        return DeadLetter(result.outcome.value)
+    if delivery >= max_deliver:
+        return DeadLetter("max_deliveries")
+    if result.retry_after_s is not None:
+        return Nak(max(result.retry_after_s, 0.0))
+    return Nak(backoff_delay(delivery, backoff_s, ack_wait_s))

@@ -1,0 +1,238 @@
+"""Every SQL statement on `charge_attempts` and `deferred_scoring_checks`.
+
+The ledger is the lock. A claim is one atomic statement: insert the row, or take over a
+`scheduled` row or a `pending` row whose lease has expired, bumping the fencing `attempt`.
+Every later write names the attempt it belongs to (`WHERE lease_owner = $me AND attempt =
+$n`), so a worker whose lease was taken over can never write. No transaction stays open
+across a network call. asyncpg errors become `DependencyUnavailable` here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+import asyncpg
+
+from charge_worker.errors import AlreadySettled, DependencyUnavailable, LeaseHeld, PayloadConflict
+from charge_worker.messages import ChargeDue
+from charge_worker.settings import DbSettings, require
+
+Scoring = Literal["approved", "blocked", "deferred"]
+FinalStatus = Literal["succeeded", "declined", "failed"]
+
+_CLAIM = """
+WITH inserted AS (
+    INSERT INTO charge_attempts (
+        order_id, billing_period, idempotency_key, subscription_id, customer_id,
+        amount_minor, currency, due_at, status, lease_owner, lease_until, attempt,
+        deliveries, last_stream_seq)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9,
+            now() + make_interval(secs => $10), 1, 1, $11)
+    ON CONFLICT DO NOTHING
+    RETURNING attempt, gateway_calls, scoring
+), taken AS (
+    UPDATE charge_attempts
+       SET status = 'pending', lease_owner = $9, lease_until = now() + make_interval(secs => $10),
+           attempt = attempt + 1, deliveries = deliveries + 1, last_stream_seq = $11,
+           updated_at = now()
+     WHERE order_id = $1 AND billing_period = $2
+       AND NOT EXISTS (SELECT 1 FROM inserted)
+       AND fingerprint = $6::bigint::text || ' ' || $7 || ' ' || $5
+       AND (status = 'scheduled' OR (status = 'pending' AND lease_until IS NULL)
+            OR (status = 'pending' AND lease_until < now()))
+    RETURNING attempt, gateway_calls, scoring
+)
+SELECT * FROM inserted UNION ALL SELECT * FROM taken
+"""
+
+_WHY_NOT = """
+SELECT status, fingerprint, extract(epoch FROM lease_until - now()) AS lease_left_s
+  FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
+"""
+
+_FENCE = (
+    "order_id = $1 AND billing_period = $2 AND status = 'pending' "
+    "AND lease_owner = $3 AND attempt = $4"
+)
+
+_BEGIN_CALL = f"""
+WITH updated AS (
+    UPDATE charge_attempts
+       SET gateway_calls = gateway_calls + 1, scoring = coalesce($5, scoring),
+           lease_until = now() + make_interval(secs => $6), updated_at = now()
+     WHERE {_FENCE}
+    RETURNING order_id, billing_period
+), deferred AS (
+    INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
+    SELECT order_id, billing_period, $7 FROM updated WHERE $7::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+)
+SELECT count(*) FROM updated
+"""
+
+_SETTLE = f"""
+UPDATE charge_attempts
+   SET status = $5, gateway_charge_id = coalesce($6, gateway_charge_id), last_error = $7,
+       scoring = coalesce($8, scoring), lease_owner = NULL, lease_until = NULL,
+       settled_at = now(), updated_at = now()
+ WHERE {_FENCE}
+"""
+
+_RETRY_LATER = f"""
+UPDATE charge_attempts
+   SET last_error = $5, updated_at = now(),
+       lease_owner = CASE WHEN $6 THEN lease_owner END,
+       lease_until = CASE WHEN $6 THEN lease_until END
+ WHERE {_FENCE}
+"""
+
+_GIVE_UP = f"""
+UPDATE charge_attempts
+   SET status = CASE WHEN gateway_calls = 0 THEN 'failed' ELSE status END,
+       last_error = $5, lease_owner = NULL, lease_until = NULL, updated_at = now(),
+       settled_at = CASE WHEN gateway_calls = 0 THEN now() END
+ WHERE {_FENCE}
+"""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """This worker's hold on one charge: the fence every later write must present."""
+
+    order_id: int
+    billing_period: dt.date
+    owner: str
+    attempt: int
+    gateway_calls: int
+    scoring: Scoring | None
+
+    @property
+    def outcome_unknown(self) -> bool:
+        """An earlier gateway call has no recorded outcome: look up before sending again."""
+        return self.gateway_calls > 0
+
+
+@contextlib.asynccontextmanager
+async def _translated() -> AsyncIterator[None]:
+    try:
+        yield
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+        raise DependencyUnavailable(f"ledger: {type(error).__name__}: {error}") from error
+
+
+async def create_pool(cfg: DbSettings) -> asyncpg.Pool:
+    """The process's one connection pool."""
+    dsn = require(cfg.url, "DATABASE_URL")
+    async with _translated():
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=cfg.db_pool_min,
+            max_size=cfg.db_pool_max,
+            command_timeout=cfg.db_command_timeout_s,
+        )
+    assert pool is not None
+    return pool
+
+
+class Ledger:
+    """The charge ledger on one asyncpg pool."""
+
+    def __init__(self, pool: asyncpg.Pool, *, lease_s: float) -> None:
+        self.pool = pool
+        self.lease_s = lease_s
+
+    async def claim(self, charge: ChargeDue, owner: str, stream_seq: int) -> Claim:
+        """Take the charge for `owner`, or raise what stands in the way.
+
+        Raises `AlreadySettled` (final already), `PayloadConflict` (same key, other
+        amount/currency/customer), `LeaseHeld` (a live worker owns it).
+        """
+        key = (charge.order_id, charge.billing_period)
+        async with _translated(), self.pool.acquire() as conn:
+            row = await conn.fetchrow(
+                _CLAIM,
+                *key,
+                charge.key,
+                charge.subscription_id,
+                charge.customer_id,
+                charge.amount_minor,
+                charge.currency,
+                charge.due_at,
+                owner,
+                self.lease_s,
+                stream_seq,
+            )
+            if row is not None:
+                return Claim(*key, owner, row["attempt"], row["gateway_calls"], row["scoring"])
+            why = await conn.fetchrow(_WHY_NOT, *key)
+        if why is None:  # deleted between the two statements; let the redelivery retry
+            raise LeaseHeld("the row vanished during the claim", retry_after_s=0)
+        fingerprint = f"{charge.amount_minor} {charge.currency} {charge.customer_id}"
+        if why["fingerprint"] != fingerprint:
+            raise PayloadConflict(
+                f"{charge.key} is recorded as '{why['fingerprint']}', message says '{fingerprint}'"
+            )
+        if why["status"] not in ("pending", "scheduled"):
+            raise AlreadySettled(f"{charge.key} is {why['status']} already")
+        left = float(why["lease_left_s"] or 0.0)
+        raise LeaseHeld(f"{charge.key} is leased by another worker", retry_after_s=max(left, 0.0))
+
+    async def begin_gateway_call(
+        self, claim: Claim, *, scoring: Scoring | None, deferred_reason: str | None
+    ) -> None:
+        """Count the call about to be made, renew the lease, record a deferred check."""
+        async with _translated():
+            updated = await self.pool.fetchval(
+                _BEGIN_CALL,
+                claim.order_id,
+                claim.billing_period,
+                claim.owner,
+                claim.attempt,
+                scoring,
+                self.lease_s,
+                deferred_reason,
+            )
+        if updated != 1:
+            raise LeaseHeld("the lease was taken over before the gateway call")
+
+    async def settle(
+        self,
+        claim: Claim,
+        status: FinalStatus | Literal["blocked"],
+        *,
+        charge_id: str | None = None,
+        error: str | None = None,
+        scoring: Scoring | None = None,
+    ) -> None:
+        """Record a final state; `LeaseHeld` if this worker no longer owns the charge."""
+        await self._fenced(_SETTLE, claim, status, charge_id, error, scoring)
+
+    async def retry_later(self, claim: Claim, error: str, *, keep_lease: bool) -> None:
+        """Stay pending; keep the lease when an earlier call may still be in flight."""
+        await self._fenced(_RETRY_LATER, claim, error, keep_lease)
+
+    async def give_up(self, claim: Claim, error: str) -> None:
+        """Out of deliveries: `failed` if the gateway was never called, else left for
+        reconcile's lookup (an outcome may be unknown)."""
+        await self._fenced(_GIVE_UP, claim, error)
+
+    async def _fenced(self, sql: str, claim: Claim, *args: object) -> None:
+        async with _translated():
+            status = await self.pool.execute(
+                sql, claim.order_id, claim.billing_period, claim.owner, claim.attempt, *args
+            )
+        if status != "UPDATE 1":
+            raise LeaseHeld("the lease was taken over; this worker may not write")
+
+    async def status_of(self, order_id: int, billing_period: dt.date) -> str | None:
+        async with _translated():
+            value = await self.pool.fetchval(
+                "SELECT status FROM charge_attempts WHERE order_id = $1 AND billing_period = $2",
+                order_id,
+                billing_period,
+            )
+        return None if value is None else str(value)

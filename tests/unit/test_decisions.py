@@ -1,0 +1,115 @@
+"""The decision table, over every outcome and delivery number."""
+
+from __future__ import annotations
+
+import pytest
+
+from charge_worker import errors
+from charge_worker.decisions import (
+    Ack,
+    Action,
+    DeadLetter,
+    Nak,
+    Outcome,
+    Result,
+    backoff_delay,
+    decide,
+    result_of,
+)
+
+BACKOFF = (30.0, 60.0, 300.0, 900.0)
+MAX_DELIVER = 5
+
+
+def act(result: Result, delivery: int) -> Action:
+    return decide(result, delivery, max_deliver=MAX_DELIVER, backoff_s=BACKOFF, ack_wait_s=30.0)
+
+
+DELIVERIES = range(1, MAX_DELIVER + 1)
+
+
+@pytest.mark.parametrize("delivery", DELIVERIES)
+@pytest.mark.parametrize(
+    "outcome", [Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE]
+)
+def test_final_outcomes_ack_on_any_delivery(outcome: Outcome, delivery: int) -> None:
+    assert act(Result(outcome), delivery) == Ack()
+
+
+@pytest.mark.parametrize("delivery", DELIVERIES)
+@pytest.mark.parametrize(
+    ("outcome", "reason"),
+    [(Outcome.POISON, "poison"), (Outcome.CONFLICT, "conflict"), (Outcome.REJECTED, "rejected")],
+)
+def test_permanent_outcomes_dead_letter_at_once(
+    outcome: Outcome, reason: str, delivery: int
+) -> None:
+    assert act(Result(outcome, error="why"), delivery) == DeadLetter(reason)
+
+
+RETRYABLE = [
+    Outcome.OUTCOME_UNKNOWN,
+    Outcome.IN_PROGRESS,
+    Outcome.RATE_LIMITED,
+    Outcome.LEASE_HELD,
+    Outcome.UNAVAILABLE,
+]
+
+
+@pytest.mark.parametrize(("delivery", "delay"), [(1, 30.0), (2, 60.0), (3, 300.0), (4, 900.0)])
+@pytest.mark.parametrize("outcome", RETRYABLE)
+def test_retryable_naks_with_the_backoff_step(
+    outcome: Outcome, delivery: int, delay: float
+) -> None:
+    assert act(Result(outcome), delivery) == Nak(delay)
+
+
+@pytest.mark.parametrize("outcome", RETRYABLE)
+def test_retryable_prefers_its_own_delay(outcome: Outcome) -> None:
+    assert act(Result(outcome, retry_after_s=2.5), 1) == Nak(2.5)
+    assert act(Result(outcome, retry_after_s=-1.0), 1) == Nak(0.0)
+
+
+@pytest.mark.parametrize("outcome", RETRYABLE)
+def test_last_delivery_dead_letters_max_deliveries(outcome: Outcome) -> None:
+    assert act(Result(outcome, retry_after_s=1.0), MAX_DELIVER) == DeadLetter("max_deliveries")
+    assert act(Result(outcome), MAX_DELIVER + 3) == DeadLetter("max_deliveries")
+
+
+def test_every_outcome_is_covered_by_a_table_above() -> None:
+    covered = {Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE}
+    covered |= {Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED} | set(RETRYABLE)
+    assert covered == set(Outcome)
+
+
+def test_backoff_last_step_repeats_and_empty_falls_back_to_ack_wait() -> None:
+    assert backoff_delay(9, BACKOFF, 30.0) == 900.0
+    assert backoff_delay(0, BACKOFF, 30.0) == 30.0
+    assert backoff_delay(3, (), 12.0) == 12.0
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        (errors.PoisonMessage("x"), Outcome.POISON),
+        (errors.PayloadConflict("x"), Outcome.CONFLICT),
+        (errors.GatewayRejected("x"), Outcome.REJECTED),
+        (errors.OutcomeUnknown("x"), Outcome.OUTCOME_UNKNOWN),
+        (errors.RequestInProgress("x"), Outcome.IN_PROGRESS),
+        (errors.RateLimited("x", retry_after_s=3), Outcome.RATE_LIMITED),
+        (errors.LeaseHeld("x"), Outcome.LEASE_HELD),
+        (errors.DependencyUnavailable("x"), Outcome.UNAVAILABLE),
+        (errors.AlreadySettled("x"), Outcome.DUPLICATE),
+        (errors.SettingsError("x"), Outcome.UNAVAILABLE),
+    ],
+)
+def test_result_of_maps_the_most_specific_error(
+    error: errors.ChargeWorkerError, outcome: Outcome
+) -> None:
+    result = result_of(error)
+    assert result.outcome == outcome
+    assert result.error == "x"
+
+
+def test_result_of_keeps_the_retry_delay() -> None:
+    assert result_of(errors.RateLimited("slow down", retry_after_s=3)).retry_after_s == 3
