@@ -1,0 +1,257 @@
+"""The payment gateway client (contracts/gateway.md): charge, look up, page history, refund.
+
+Every answer is classified here, and only here:
+
+| answer                                   | result                                     |
+|------------------------------------------|--------------------------------------------|
+| 200 (replayed or not)                    | `ChargeResult(succeeded, charge_id)`       |
+| 402                                      | `ChargeResult(declined, code)`             |
+| 409 request_in_progress                  | `RequestInProgress`                        |
+| 429                                      | `RateLimited(retry_after_s=Retry-After)`   |
+| 400 / 422 (key_reused, invalid request)  | `GatewayRejected`                          |
+| 401 / 403                                | `DependencyUnavailable` (our key is wrong) |
+| 5xx, timeout, reset, unreadable 200      | `OutcomeUnknown`                           |
+| connection refused (never sent)          | `DependencyUnavailable`                    |
+| breaker open                             | `DependencyUnavailable` (until half-open)  |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+import pybreaker
+
+from charge_worker.errors import (
+    DependencyUnavailable,
+    GatewayRejected,
+    OutcomeUnknown,
+    RateLimited,
+    RequestInProgress,
+)
+from charge_worker.http import build_breaker, build_client, open_for_s
+from charge_worker.messages import ChargeDue
+from charge_worker.settings import GatewaySettings, require
+
+DEFAULT_RETRY_AFTER_S = 1.0
+IN_PROGRESS_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class ChargeResult:
+    """A definitive answer to a charge: charged (possibly replayed) or declined."""
+
+    status: Literal["succeeded", "declined"]
+    charge_id: str | None
+    replayed: bool = False
+    decline_code: str | None = None
+
+
+@dataclass(frozen=True)
+class GatewayCharge:
+    """A charge as the gateway's history shows it."""
+
+    id: str
+    status: str  # succeeded | failed | refunded
+    amount: int
+    currency: str
+    customer: str
+    order_id: str | None
+    billing_period: str | None
+    created: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GatewayCharge:
+        metadata = data.get("metadata") or {}
+        return cls(
+            id=str(data["id"]),
+            status=str(data["status"]),
+            amount=int(data["amount"]),
+            currency=str(data["currency"]),
+            customer=str(data["customer"]),
+            order_id=metadata.get("order_id"),
+            billing_period=metadata.get("billing_period"),
+            created=int(data["created"]),
+        )
+
+
+@dataclass(frozen=True)
+class HistoryPage:
+    charges: list[GatewayCharge]
+    has_more: bool
+
+
+class GatewayClient:
+    """One shared client per process; `transport` is for unit tests only."""
+
+    def __init__(
+        self, cfg: GatewaySettings, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
+        require(api_key, "GATEWAY_API_KEY")
+        self.timeout_s = cfg.gateway_timeout_s
+        self.client = build_client(
+            require(cfg.url, "GATEWAY_URL"),
+            timeout_s=cfg.gateway_timeout_s,
+            max_connections=cfg.gateway_max_connections,
+            headers={"Authorization": f"Bearer {api_key}"},
+            transport=transport,
+        )
+        self.breaker = build_breaker(
+            "gateway", fail_max=cfg.gateway_breaker_failures, reset_s=cfg.gateway_breaker_reset_s
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open: callers should stop taking work."""
+        return open_for_s(self.breaker) == 0.0
+
+    async def charge(self, charge: ChargeDue, *, traceparent: str | None = None) -> ChargeResult:
+        """Charge once per key; raise the domain error the answer stands for."""
+        headers = {"Idempotency-Key": charge.key}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        body = {
+            "amount": charge.amount_minor,
+            "currency": charge.currency,
+            "customer": charge.customer_id,
+            "metadata": {
+                "order_id": str(charge.order_id),
+                "billing_period": charge.billing_period.isoformat(),
+            },
+        }
+        response = await self._send("POST", "/v1/charges", json=body, headers=headers)
+        if response.status_code == 200:
+            data = _json(response)
+            if not isinstance(data.get("id"), str) or data.get("status") != "succeeded":
+                raise OutcomeUnknown(f"gateway answered 200 with an unexpected body: {data!r:.200}")
+            replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+            return ChargeResult("succeeded", data["id"], replayed=replayed)
+        if response.status_code == 402:
+            code = _error(response).get("code") or "card_declined"
+            return ChargeResult("declined", None, decline_code=str(code))
+        raise _classify(response)
+
+    async def lookup(self, order_id: int, billing_period: dt.date) -> list[GatewayCharge]:
+        """Every charge the gateway holds for this key (normally 0 or 1)."""
+        params = {"order_id": str(order_id), "billing_period": billing_period.isoformat()}
+        return (await self._page(params)).charges
+
+    async def history(
+        self,
+        *,
+        created_gte: int,
+        created_lt: int,
+        starting_after: str | None = None,
+        limit: int = 100,
+    ) -> HistoryPage:
+        """One page of charge history, oldest first."""
+        params: dict[str, str] = {
+            "created_gte": str(created_gte),
+            "created_lt": str(created_lt),
+            "limit": str(limit),
+        }
+        if starting_after:
+            params["starting_after"] = starting_after
+        return await self._page(params)
+
+    async def refund(self, charge_id: str, *, reason: str = "duplicate") -> str:
+        """Refund a charge in full; return the refund id ("already" if it was refunded)."""
+        response = await self._send(
+            "POST",
+            "/v1/refunds",
+            json={"charge": charge_id, "reason": reason},
+            headers={"Idempotency-Key": f"refund:{charge_id}"},
+        )
+        if response.status_code == 200:
+            return str(_json(response)["id"])
+        if response.status_code == 400 and _error(response).get("code") == (
+            "charge_already_refunded"
+        ):
+            return "already"
+        raise _classify(response)
+
+    async def probe(self) -> bool:
+        """A cheap read that lets an open breaker close again without spending a charge."""
+        try:
+            await self.history(created_gte=0, created_lt=1, limit=1)
+        except (DependencyUnavailable, OutcomeUnknown):
+            return False
+        return True
+
+    async def _page(self, params: dict[str, str]) -> HistoryPage:
+        response = await self._send("GET", "/v1/charges", params=params)
+        if response.status_code != 200:
+            raise _classify(response)
+        data = _json(response)
+        try:
+            charges = [GatewayCharge.from_json(item) for item in data["data"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise OutcomeUnknown(f"unreadable charge list: {error!r}") from error
+        return HistoryPage(charges, bool(data.get("has_more")))
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            with self.breaker.calling():
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        response = await self.client.request(method, path, **kwargs)
+                except httpx.ConnectError as error:
+                    raise DependencyUnavailable(
+                        f"gateway unreachable: {error}", retry_after_s=None
+                    ) from error
+                except (TimeoutError, httpx.HTTPError) as error:
+                    raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
+                if response.status_code >= 500:
+                    raise OutcomeUnknown(f"gateway answered {response.status_code}")
+                return response
+        except pybreaker.CircuitBreakerError as error:
+            raise DependencyUnavailable(
+                "gateway breaker open", retry_after_s=open_for_s(self.breaker)
+            ) from error
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError as error:
+        raise OutcomeUnknown(f"gateway answered {response.status_code} with non-JSON") from error
+    if not isinstance(data, dict):
+        raise OutcomeUnknown(f"gateway answered {response.status_code} with a JSON non-object")
+    return data
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _classify(response: httpx.Response) -> Exception:
+    """The domain error for a non-success answer (5xx never reaches here)."""
+    status, error = response.status_code, _error(response)
+    summary = f"gateway {status} {error.get('type', '')}/{error.get('code', '')}".rstrip("/")
+    if status == 409:
+        return RequestInProgress(summary, retry_after_s=IN_PROGRESS_RETRY_S)
+    if status == 429:
+        return RateLimited(summary, retry_after_s=_retry_after(response))
+    if status in (401, 403):
+        return DependencyUnavailable(f"{summary}: check GATEWAY_API_KEY")
+    if 400 <= status < 500:
+        return GatewayRejected(summary)
+    return OutcomeUnknown(summary)
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return max(float(response.headers.get("Retry-After", DEFAULT_RETRY_AFTER_S)), 0.0)
+    except ValueError:
+        return DEFAULT_RETRY_AFTER_S

@@ -1,0 +1,93 @@
+"""The anti-fraud scoring client (contracts/scoring.md) and its fallback policy.
+
+A verdict is `approve` or `block`. Anything else — a timeout of the whole call (2 s by
+default), a non-2xx answer, a malformed body, an open breaker — is a scoring failure, and
+`score()` returns `None` instead of raising: the caller then applies the policy (`defer`:
+charge now and record a deferred check; `hold`: retry later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+import pybreaker
+
+from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
+from charge_worker.http import build_breaker, build_client
+from charge_worker.messages import ChargeDue
+from charge_worker.settings import ScoringSettings, require
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Literal["approve", "block"]
+    score: float | None
+
+
+@dataclass(frozen=True)
+class ScoringFailure:
+    """Why there is no verdict; becomes the deferred check's reason."""
+
+    reason: str
+
+
+class ScoringClient:
+    def __init__(
+        self, cfg: ScoringSettings, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.timeout_s = cfg.scoring_timeout_s
+        self.policy = cfg.scoring_policy
+        self.client = build_client(
+            require(cfg.url, "SCORING_URL"),
+            timeout_s=cfg.scoring_timeout_s,
+            max_connections=100,
+            transport=transport,
+        )
+        self.breaker = build_breaker(
+            "scoring", fail_max=cfg.scoring_breaker_failures, reset_s=cfg.scoring_breaker_reset_s
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def score(
+        self, charge: ChargeDue, *, traceparent: str | None = None
+    ) -> Verdict | ScoringFailure:
+        """A verdict, or the reason there is none. Never raises for the service's faults."""
+        body = {
+            "order_id": charge.order_id,
+            "customer_id": charge.customer_id,
+            "amount_minor": charge.amount_minor,
+            "currency": charge.currency,
+        }
+        headers = {"traceparent": traceparent} if traceparent else None
+        try:
+            with self.breaker.calling():
+                return await self._call(body, headers)
+        except pybreaker.CircuitBreakerError:
+            return ScoringFailure("scoring breaker open")
+        except (OutcomeUnknown, DependencyUnavailable) as error:
+            return ScoringFailure(str(error))
+
+    async def _call(self, body: dict[str, object], headers: dict[str, str] | None) -> Verdict:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                response = await self.client.post("/v1/score", json=body, headers=headers)
+        except TimeoutError as error:
+            raise OutcomeUnknown(f"scoring timed out after {self.timeout_s:g}s") from error
+        except httpx.HTTPError as error:
+            raise DependencyUnavailable(f"scoring unreachable: {error!r}") from error
+        if response.status_code != 200:
+            raise OutcomeUnknown(f"scoring answered {response.status_code}")
+        try:
+            data = response.json()
+            decision = data["decision"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise OutcomeUnknown("scoring answered a malformed body") from error
+        if decision not in ("approve", "block"):
+            raise OutcomeUnknown(f"scoring answered an unknown decision {decision!r:.40}")
+        score = data.get("score")
+        return Verdict(decision, float(score) if isinstance(score, int | float) else None)

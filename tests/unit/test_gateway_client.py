@@ -1,0 +1,160 @@
+"""Classification of every row of the gateway contract, over httpx.MockTransport."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from charge_worker import errors
+from charge_worker.gateway import ChargeResult, GatewayClient
+from charge_worker.messages import ChargeDue
+from charge_worker.settings import GatewaySettings
+
+CHARGE = ChargeDue.model_validate(
+    {
+        "schema": "charge.due/v1",
+        "order_id": 48291,
+        "billing_period": dt.date(2026, 9, 1),
+        "subscription_id": "sub_7Q2",
+        "customer_id": "cus_42",
+        "amount_minor": 99000,
+        "currency": "RUB",
+        "due_at": dt.datetime(2026, 9, 1, tzinfo=dt.UTC),
+    },
+    strict=False,
+)
+OK = {"id": "ch_1", "status": "succeeded", "amount": 99000, "currency": "RUB",
+      "customer": "cus_42", "metadata": {}, "created": 1}  # fmt: skip
+
+
+def client(handler: Callable[[httpx.Request], httpx.Response], **cfg: object) -> GatewayClient:
+    settings = GatewaySettings(
+        url="http://gateway.test",
+        api_key=SecretStr("sk_test_x"),
+        **cfg,  # type: ignore[arg-type]
+    )
+    return GatewayClient(settings, transport=httpx.MockTransport(handler))
+
+
+def answer(status: int, body: object = None, **headers: str) -> Callable[..., httpx.Response]:
+    return lambda request: httpx.Response(status, json=body, headers=headers)
+
+
+def err(type_: str, code: str) -> dict[str, object]:
+    return {"error": {"type": type_, "code": code, "message": "m"}}
+
+
+async def test_sends_key_auth_traceparent_and_integer_amount() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=OK)
+
+    gw = client(handler)
+    result = await gw.charge(CHARGE, traceparent="00-abc-def-01")
+    assert result == ChargeResult("succeeded", "ch_1")
+    request = seen[0]
+    assert request.headers["Idempotency-Key"] == "48291:2026-09-01"
+    assert request.headers["Authorization"] == "Bearer sk_test_x"
+    assert request.headers["traceparent"] == "00-abc-def-01"
+    body = json.loads(request.content)
+    assert body["amount"] == 99000
+    assert body["metadata"] == {"order_id": "48291", "billing_period": "2026-09-01"}
+    await gw.aclose()
+
+
+async def test_replay_is_success_and_marked() -> None:
+    gw = client(answer(200, OK, **{"Idempotent-Replayed": "true"}))
+    assert await gw.charge(CHARGE) == ChargeResult("succeeded", "ch_1", replayed=True)
+
+
+async def test_decline_is_a_result_not_an_error() -> None:
+    gw = client(answer(402, err("card_error", "card_declined")))
+    assert await gw.charge(CHARGE) == ChargeResult("declined", None, decline_code="card_declined")
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "expected"),
+    [
+        (409, err("idempotency_error", "request_in_progress"), {}, errors.RequestInProgress),
+        (429, err("rate_limit_error", "rate_limited"), {"Retry-After": "7"}, errors.RateLimited),
+        (400, err("idempotency_error", "key_reused"), {}, errors.GatewayRejected),
+        (400, err("invalid_request_error", "parameter_invalid"), {}, errors.GatewayRejected),
+        (422, err("invalid_request_error", "parameter_invalid"), {}, errors.GatewayRejected),
+        (401, err("authentication_error", "bad_key"), {}, errors.DependencyUnavailable),
+        (500, None, {}, errors.OutcomeUnknown),
+        (502, None, {}, errors.OutcomeUnknown),
+        (503, None, {}, errors.OutcomeUnknown),
+        (200, {"status": "weird"}, {}, errors.OutcomeUnknown),
+    ],
+)
+async def test_error_rows(
+    status: int, body: object, headers: dict[str, str], expected: type[Exception]
+) -> None:
+    gw = client(answer(status, body, **headers))
+    with pytest.raises(expected):
+        await gw.charge(CHARGE)
+
+
+async def test_rate_limit_carries_retry_after() -> None:
+    gw = client(answer(429, err("rate_limit_error", "x"), **{"Retry-After": "7"}))
+    with pytest.raises(errors.RateLimited) as caught:
+        await gw.charge(CHARGE)
+    assert caught.value.retry_after_s == 7
+
+
+async def test_connection_refused_is_unavailable_other_transport_errors_unknown() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    def reset(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("reset", request=request)
+
+    with pytest.raises(errors.DependencyUnavailable):
+        await client(refuse).charge(CHARGE)
+    with pytest.raises(errors.OutcomeUnknown):
+        await client(reset).charge(CHARGE)
+
+
+async def test_breaker_opens_on_unknown_outcomes_only() -> None:
+    gw = client(answer(503), gateway_breaker_failures=2, gateway_breaker_reset_s=60)
+    declines = client(answer(402, err("card_error", "card_declined")), gateway_breaker_failures=2)
+    for _ in range(3):
+        await declines.charge(CHARGE)
+    assert declines.available
+    for _ in range(2):
+        with pytest.raises(errors.OutcomeUnknown):
+            await gw.charge(CHARGE)
+    assert not gw.available
+    with pytest.raises(errors.DependencyUnavailable, match="breaker open") as caught:
+        await gw.charge(CHARGE)
+    assert caught.value.retry_after_s is not None
+    assert 0 < caught.value.retry_after_s <= 60
+
+
+async def test_lookup_and_refund() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            assert request.url.params["order_id"] == "48291"
+            assert request.url.params["billing_period"] == "2026-09-01"
+            meta = {"order_id": "48291", "billing_period": "2026-09-01"}
+            return httpx.Response(200, json={"data": [{**OK, "metadata": meta}], "has_more": False})
+        charge_id = json.loads(request.content)["charge"]
+        assert request.headers["Idempotency-Key"] == f"refund:{charge_id}"
+        if charge_id == "ch_1":
+            return httpx.Response(200, json={"id": "re_1", "charge": "ch_1", "status": "succeeded"})
+        return httpx.Response(400, json=err("invalid_request_error", "charge_already_refunded"))
+
+    gw = client(handler)
+    found = await gw.lookup(48291, dt.date(2026, 9, 1))
+    assert [(c.id, c.order_id, c.billing_period) for c in found] == [
+        ("ch_1", "48291", "2026-09-01")
+    ]
+    assert await gw.refund("ch_1") == "re_1"
+    assert await gw.refund("ch_2") == "already"
