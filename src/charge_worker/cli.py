@@ -103,6 +103,25 @@ def provision(apply: bool) -> None:
         raise SystemExit(3)
 
 
+@main.command()
+def run() -> None:
+    """Consume charges.due and charge each due subscription once, until SIGTERM.
+
+    On SIGTERM: stop fetching, finish in-flight work within CHARGE_WORKER_DRAIN_S, leave the
+    rest un-acked for redelivery, exit 0.
+    """
+    from charge_worker.app import run_worker, stop_on_signals  # noqa: PLC0415
+
+    settings = _settings()
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        with stop_on_signals(stop):
+            await run_worker(settings, stop)
+
+    _run(go())
+
+
 @main.group()
 def sandbox() -> None:
     """Run a simulator of a dependency on its own (for demos and manual tests)."""

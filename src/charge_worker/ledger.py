@@ -90,12 +90,14 @@ UPDATE charge_attempts
  WHERE {_FENCE}
 """
 
-_GIVE_UP = f"""
+# The attempt alone fences here: the lease may have been released by this same attempt.
+_GIVE_UP = """
 UPDATE charge_attempts
    SET status = CASE WHEN gateway_calls = 0 THEN 'failed' ELSE status END,
        last_error = $5, lease_owner = NULL, lease_until = NULL, updated_at = now(),
        settled_at = CASE WHEN gateway_calls = 0 THEN now() END
- WHERE {_FENCE}
+ WHERE order_id = $1 AND billing_period = $2 AND status = 'pending'
+   AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4
 """
 
 

@@ -72,7 +72,9 @@ async def _publish_samples(nc: Client, cfg: NatsSettings) -> None:
     js = nc.jetstream()
     charges = [_sample(*row) for row in SAMPLES]
     for charge in charges:
-        ack = await js.publish(cfg.subject, charge.to_json(), headers={"Nats-Msg-Id": charge.msg_id})
+        ack = await js.publish(
+            cfg.subject, charge.to_json(), headers={"Nats-Msg-Id": charge.msg_id}
+        )
         click.echo(f"    published {charge.key:<18} seq={ack.seq}")
     again = charges[0]
     ack = await js.publish(cfg.subject, again.to_json(), headers={"Nats-Msg-Id": again.msg_id})

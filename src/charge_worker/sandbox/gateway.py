@@ -60,9 +60,14 @@ from starlette.routing import Route
 from charge_worker.sandbox.gateway_requests import (
     ChargeParams,
     InvalidRequest,
+    answer,
+    api_error,
+    error_body,
+    idempotency_key,
     parse_charge,
     parse_query,
     parse_refund,
+    rejected,
 )
 from charge_worker.sandbox.gateway_state import (
     Charge,
@@ -124,36 +129,6 @@ class NoEvents:
         """Do nothing."""
 
 
-def api_error(
-    status_code: int,
-    error_type: str,
-    code: str,
-    message: str,
-    *,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """A Stripe-like error answer: `{"error": {"type", "code", "message"[, "param"]}}`."""
-    return JSONResponse(
-        {"error": _error_body(error_type, code, message, param)},
-        status_code=status_code,
-        headers=headers,
-    )
-
-
-def _error_body(error_type: str, code: str, message: str, param: str | None) -> dict[str, Any]:
-    error = {"type": error_type, "code": code, "message": message}
-    if param is not None:
-        error["param"] = param
-    return error
-
-
-def _rejected(exc: InvalidRequest) -> JSONResponse:
-    return api_error(
-        exc.status_code, "invalid_request_error", exc.code, exc.message, param=exc.param
-    )
-
-
 class GatewaySimulator(Simulator[GatewayConfig]):
     """The gateway's state (charges, refunds, keys, counters) and its request handlers."""
 
@@ -190,10 +165,16 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 
     def routes(self) -> list[Route]:
         """Every route of the simulator."""
+        api = [
+            ("POST", "/v1/charges", self.create_charge),
+            ("GET", "/v1/charges", self.list_charges),
+            ("POST", "/v1/refunds", self.create_refund),
+        ]
         return [
-            Route("/v1/charges", self._counted("POST /v1/charges", self.create_charge), methods=["POST"]),
-            Route("/v1/charges", self._counted("GET /v1/charges", self.list_charges), methods=["GET"]),
-            Route("/v1/refunds", self._counted("POST /v1/refunds", self.create_refund), methods=["POST"]),
+            *(
+                Route(path, self._counted(f"{method} {path}", fn), methods=[method])
+                for method, path, fn in api
+            ),
             Route("/_sim/charges", self.all_charges, methods=["GET"]),
             *self.control_routes(),
         ]
@@ -211,34 +192,34 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         """`POST /v1/charges`."""
         if (refused := self._guard(request)) is not None:
             return refused
-        key = request.headers.get("idempotency-key", "")
         try:
-            if not key:
-                raise InvalidRequest(
-                    400, "parameter_missing", "Idempotency-Key is required.", "Idempotency-Key"
-                )
+            key = idempotency_key(request.headers)
             params = parse_charge(await read_json(request))
         except InvalidRequest as exc:
-            return _rejected(exc)
+            return rejected(exc)
         return await self._execute(
-            request, key, params.fingerprint(), lambda book: self._charge(book, params, key), True
+            request,
+            key,
+            params.fingerprint(),
+            lambda book: self._charge(book, params, key),
+            answer_may_be_lost=True,
         )
 
     async def create_refund(self, request: Request) -> Response:
         """`POST /v1/refunds`."""
         if (refused := self._guard(request)) is not None:
             return refused
-        key = request.headers.get("idempotency-key", "")
         try:
-            if not key:
-                raise InvalidRequest(
-                    400, "parameter_missing", "Idempotency-Key is required.", "Idempotency-Key"
-                )
+            key = idempotency_key(request.headers)
             params = parse_refund(await read_json(request))
         except InvalidRequest as exc:
-            return _rejected(exc)
+            return rejected(exc)
         return await self._execute(
-            request, key, params.fingerprint(), lambda book: self._refund(book, params.charge), False
+            request,
+            key,
+            params.fingerprint(),
+            lambda book: self._refund(book, params.charge),
+            answer_may_be_lost=False,
         )
 
     async def list_charges(self, request: Request) -> Response:
@@ -248,7 +229,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         try:
             query = parse_query(request.query_params)
         except InvalidRequest as exc:
-            return _rejected(exc)
+            return rejected(exc)
         book = self.book
         await asyncio.sleep(self.config.latency.sample(self.rng))
         try:
@@ -308,6 +289,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         key: str,
         fingerprint: str,
         execute: Callable[[ChargeBook], StoredResponse],
+        *,
         answer_may_be_lost: bool,
     ) -> Response:
         """Run `execute` once per idempotency key, replaying its answer to repeats."""
@@ -318,7 +300,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             )
             match claim:
                 case Replay(response):
-                    return _answer(response, replayed=True)
+                    return answer(response, replayed=True)
                 case InProgress():
                     return api_error(
                         409,
@@ -344,12 +326,16 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             raise
         if config.idempotency_enabled:
             keys.complete(key, response)
-        if answer_may_be_lost and config.lost_answer_rate and self.rng.random() < config.lost_answer_rate:
+        if (
+            answer_may_be_lost
+            and config.lost_answer_rate
+            and self.rng.random() < config.lost_answer_rate
+        ):
             self.lost_answers += 1
             if config.lost_answer_mode == "5xx":
                 return api_error(502, "api_error", "bad_gateway", "The upstream answer was lost.")
             await pause(request, config.lost_answer_delay_s)
-        return _answer(response)
+        return answer(response)
 
     def _new_id(self, prefix: str, book: ChargeBook) -> str:
         while book.get(new_id := f"{prefix}_{self.rng.getrandbits(96):024x}") is not None:
@@ -373,24 +359,19 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         self.events.publish(f"charge.{charge.status}", charge.to_json())
         if not declined:
             return StoredResponse(200, charge.to_json())
-        error = _error_body("card_error", "card_declined", "Your card was declined.", None)
+        error = error_body("card_error", "card_declined", "Your card was declined.", None)
         return StoredResponse(402, {"error": error | {"charge": charge.id}})
 
     def _refund(self, book: ChargeBook, charge_id: str) -> StoredResponse:
         try:
             refund = book.refund(charge_id, self._new_id("re", book), int(time.time()))
         except RefundRefused as exc:
-            error = _error_body("invalid_request_error", exc.code, exc.message, "charge")
+            error = error_body("invalid_request_error", exc.code, exc.message, "charge")
             return StoredResponse(exc.status_code, {"error": error})
         charge = book.get(charge_id)
         if charge is not None:
             self.events.publish("charge.refunded", charge.to_json())
         return StoredResponse(200, refund.to_json())
-
-
-def _answer(response: StoredResponse, *, replayed: bool = False) -> JSONResponse:
-    headers = {"Idempotent-Replayed": "true"} if replayed else None
-    return JSONResponse(response.body, status_code=response.status_code, headers=headers)
 
 
 def build_gateway_app(config: GatewayConfig | None = None) -> Starlette:

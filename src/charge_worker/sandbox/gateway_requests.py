@@ -1,4 +1,4 @@
-"""Validation of the gateway simulator's requests. Pure: values in, values or `InvalidRequest` out.
+"""The gateway simulator's wire format: request validation (pure) and Stripe-like answers.
 
 Rule of thumb, as documented in `gateway.py`: a request that cannot be read (not a JSON
 object, a missing or unknown parameter, a bad query) is `400`; a parameter that is present but
@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from charge_worker.sandbox.gateway_state import ChargeQuery
+from starlette.responses import JSONResponse
+
+from charge_worker.sandbox.gateway_state import ChargeQuery, StoredResponse
 
 CURRENCY = re.compile(r"[A-Z]{3}")
 REFUND_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer"})
@@ -32,6 +34,14 @@ class InvalidRequest(Exception):
         self.param = param
 
 
+def idempotency_key(headers: Mapping[str, str]) -> str:
+    """The request's `Idempotency-Key` header; required on every POST."""
+    key = headers.get("idempotency-key", "")
+    if not key:
+        raise _missing("Idempotency-Key")
+    return key
+
+
 def _missing(param: str) -> InvalidRequest:
     return InvalidRequest(400, "parameter_missing", f"Missing required param: {param}.", param)
 
@@ -45,7 +55,9 @@ def _object(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
         raise InvalidRequest(400, "body_invalid", "The body must be a JSON object.", None)
     for name in body:
         if name not in allowed:
-            raise InvalidRequest(400, "parameter_unknown", f"Received unknown parameter: {name}.", name)
+            raise InvalidRequest(
+                400, "parameter_unknown", f"Received unknown parameter: {name}.", name
+            )
     return body
 
 
@@ -140,7 +152,9 @@ def parse_query(query: Mapping[str, str]) -> ChargeQuery:
     allowed = {"order_id", "billing_period", "created_gte", "created_lt", "limit", "starting_after"}
     for name in query:
         if name not in allowed:
-            raise InvalidRequest(400, "parameter_unknown", f"Unknown query parameter: {name}.", name)
+            raise InvalidRequest(
+                400, "parameter_unknown", f"Unknown query parameter: {name}.", name
+            )
     order_id, period = query.get("order_id"), query.get("billing_period")
     if (order_id is None) != (period is None):
         raise _missing("billing_period" if period is None else "order_id")
@@ -155,3 +169,41 @@ def parse_query(query: Mapping[str, str]) -> ChargeQuery:
         limit=limit,
         starting_after=query.get("starting_after") or None,
     )
+
+
+def api_error(
+    status_code: int,
+    error_type: str,
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """A Stripe-like error answer: `{"error": {"type", "code", "message"[, "param"]}}`."""
+    return JSONResponse(
+        {"error": error_body(error_type, code, message, param)},
+        status_code=status_code,
+        headers=headers,
+    )
+
+
+def error_body(error_type: str, code: str, message: str, param: str | None) -> dict[str, Any]:
+    """The inside of an error answer."""
+    error = {"type": error_type, "code": code, "message": message}
+    if param is not None:
+        error["param"] = param
+    return error
+
+
+def rejected(exc: InvalidRequest) -> JSONResponse:
+    """The answer to an invalid request."""
+    return api_error(
+        exc.status_code, "invalid_request_error", exc.code, exc.message, param=exc.param
+    )
+
+
+def answer(response: StoredResponse, *, replayed: bool = False) -> JSONResponse:
+    """A stored answer; a replay carries `Idempotent-Replayed: true`."""
+    headers = {"Idempotent-Replayed": "true"} if replayed else None
+    return JSONResponse(response.body, status_code=response.status_code, headers=headers)

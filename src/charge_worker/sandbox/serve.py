@@ -59,9 +59,7 @@ class ServedApp:
         self.app = app
         self.host = host
         self._server = uvicorn.Server(_config(app, host, port))
-        self._thread = threading.Thread(
-            target=self._server.run, name="served-app", daemon=True
-        )
+        self._thread = threading.Thread(target=self._server.run, name="served-app", daemon=True)
         self._start_timeout_s = start_timeout_s
         self._port: int | None = None
 

@@ -1,0 +1,217 @@
+"""The pull loop: fetch to free capacity, process with bounded concurrency, settle, drain.
+
+A fetched message's AckWait clock is already running, so the loop fetches only as many
+messages as it has free slots. While a message is processed it sends `+WPI` every
+heartbeat interval, up to the processing budget. `_settle` is the one place that acks,
+naks or terminates. While the gateway's breaker is open nothing is fetched (messages wait
+in the stream and spend no deliveries); a cheap probe closes it again. On stop: no more
+fetches, in-flight work gets `drain_s` to finish, and anything cancelled is left un-acked
+for JetStream to redeliver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, decide
+from charge_worker.dlq import DeadLetters
+from charge_worker.errors import ChargeWorkerError
+from charge_worker.gateway import GatewayClient
+from charge_worker.http import open_for_s
+from charge_worker.ledger import Ledger
+from charge_worker.metrics import Metrics
+from charge_worker.pipeline import Delivery, Pipeline, Processed
+from charge_worker.settings import Settings
+
+log = structlog.get_logger("charge_worker.consumer")
+RECONNECT_PAUSE_S = 0.5
+
+
+class Consumer:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        js: JetStreamContext,
+        pipeline: Pipeline,
+        dead_letters: DeadLetters,
+        ledger: Ledger,
+        gateway: GatewayClient,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.js = js
+        self.pipeline = pipeline
+        self.dead_letters = dead_letters
+        self.ledger = ledger
+        self.gateway = gateway
+        self.metrics = metrics
+        self.in_flight: set[asyncio.Task[None]] = set()
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until `stop` is set, then drain within `drain_s`."""
+        cfg = self.settings.nats
+        sub = await self.js.pull_subscribe_bind(durable=cfg.durable, stream=cfg.stream)
+        concurrency = self.settings.worker.concurrency
+        self.ready.set()
+        try:
+            while not stop.is_set():
+                if not await self._gateway_ready():
+                    continue
+                free = concurrency - len(self.in_flight)
+                if free <= 0:
+                    await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await sub.fetch(free, timeout=self.settings.worker.fetch_wait_s)
+                except nats.errors.TimeoutError:
+                    continue
+                except nats.errors.Error as error:
+                    log.warning("consumer.fetch_failed", error=repr(error))
+                    await asyncio.sleep(RECONNECT_PAUSE_S)
+                    continue
+                for msg in msgs:
+                    task = asyncio.create_task(self._handle(msg, time.monotonic()))
+                    self.in_flight.add(task)
+                    task.add_done_callback(self.in_flight.discard)
+        finally:
+            self.ready.clear()
+            await self._drain()
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _drain(self) -> None:
+        if not self.in_flight:
+            return
+        log.info("consumer.draining", in_flight=len(self.in_flight))
+        _, late = await asyncio.wait(self.in_flight, timeout=self.settings.worker.drain_s)
+        for task in late:
+            task.cancel()  # never acked: JetStream redelivers after AckWait
+        if late:
+            await asyncio.wait(late)
+            log.warning("consumer.drain_deadline", left_unacked=len(late))
+
+    async def _gateway_ready(self) -> bool:
+        breaker = self.gateway.breaker
+        self.metrics.breaker_open.labels("gateway").set(breaker.current_state != "closed")
+        if breaker.current_state == "closed":
+            return True
+        if (left := open_for_s(breaker)) > 0:
+            await asyncio.sleep(min(left, 1.0))
+            return False
+        if await self.gateway.probe():
+            log.info("consumer.gateway_back")
+            return True
+        return False
+
+    async def _handle(self, msg: Msg, fetched_at: float) -> None:
+        meta = msg.metadata
+        delivery = Delivery(
+            data=msg.data,
+            stream_seq=meta.sequence.stream,
+            num_delivered=meta.num_delivered,
+            traceparent=(msg.headers or {}).get("traceparent"),
+        )
+        if delivery.num_delivered > 1:
+            self.metrics.redeliveries.inc()
+        structlog.contextvars.bind_contextvars(
+            stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
+        )
+        self.metrics.in_flight.inc()
+        heartbeat = asyncio.create_task(self._heartbeat(msg))
+        try:
+            processed = await self.pipeline.process(delivery)
+        finally:
+            heartbeat.cancel()
+            self.metrics.in_flight.dec()
+        action = decide(
+            processed.result,
+            delivery.num_delivered,
+            max_deliver=self.settings.nats.max_deliver,
+            backoff_s=self.settings.nats.backoff_s,
+            ack_wait_s=self.settings.nats.ack_wait_s,
+        )
+        action = await self._settle(msg, delivery, processed, action)
+        self._account(delivery, processed, action, time.monotonic() - fetched_at)
+
+    async def _heartbeat(self, msg: Msg) -> None:
+        interval = self.settings.heartbeat_s
+        deadline = time.monotonic() + self.settings.worker.processing_budget_s
+        while time.monotonic() + interval < deadline:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.in_progress()
+                self.metrics.heartbeats.inc()
+
+    async def _settle(
+        self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
+    ) -> Action:
+        """The one place that acks, naks or terminates. Returns what was really done."""
+        try:
+            if isinstance(action, DeadLetter):
+                if processed.claim is not None and action.reason == "max_deliveries":
+                    with contextlib.suppress(ChargeWorkerError):
+                        await self.ledger.give_up(processed.claim, "dead-lettered: max_deliveries")
+                try:
+                    await self.dead_letters.write(
+                        msg.data,
+                        reason=action.reason,
+                        error=processed.result.error or action.reason,
+                        stream_seq=delivery.stream_seq,
+                        num_delivered=delivery.num_delivered,
+                        original=msg.headers,
+                    )
+                except ChargeWorkerError as error:
+                    log.error("dlq.write_failed", error=str(error))
+                    action = Nak(self.settings.nats.ack_wait_s)  # never dropped
+                else:
+                    self.metrics.dead_letters.labels(action.reason).inc()
+                    await msg.term()
+                    return action
+            if isinstance(action, Nak):
+                await msg.nak(delay=action.delay_s)
+            else:
+                await msg.ack()
+        except nats.errors.Error as error:
+            # the connection is down: JetStream redelivers after AckWait; the ledger decides
+            log.warning("consumer.settle_failed", error=repr(error))
+        return action
+
+    def _account(
+        self, delivery: Delivery, processed: Processed, action: Action, seconds: float
+    ) -> None:
+        outcome = processed.result.outcome
+        name = type(action).__name__.lower()
+        self.metrics.messages.labels(outcome.value, name).inc()
+        self.metrics.processing.observe(seconds)
+        if outcome is Outcome.DUPLICATE:
+            self.metrics.duplicates.inc()
+        if outcome in (Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED):
+            self.metrics.charges.labels(outcome.value).inc()
+        charge = processed.charge
+        log.info(
+            "charge.settled",
+            order_id=charge.order_id if charge else None,
+            billing_period=charge.billing_period.isoformat() if charge else None,
+            outcome=outcome.value,
+            action=name,
+            delay_s=action.delay_s if isinstance(action, Nak) else None,
+            dlq_reason=action.reason if isinstance(action, DeadLetter) else None,
+            error=processed.result.error,
+            duration_s=round(seconds, 4),
+            trace_id=_trace_id(delivery.traceparent),
+        )
+        structlog.contextvars.clear_contextvars()
+
+
+def _trace_id(traceparent: str | None) -> str | None:
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) >= 4 else None

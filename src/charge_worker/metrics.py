@@ -1,0 +1,51 @@
+"""All of the worker's metrics, on one object over an injected registry.
+
+Label values come from the same enums as the decisions. Redeliveries are counted by the
+worker (`num_delivered > 1`) as a counter: the server's `num_redelivered` is a gauge that
+goes down, so `increase()` over it lies.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "charge_worker"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.messages = Counter(
+            f"{PREFIX}_messages", "Deliveries processed, by outcome and action.",
+            ["outcome", "action"], registry=registry,
+        )  # fmt: skip
+        self.redeliveries = Counter(
+            f"{PREFIX}_redeliveries", "Deliveries seen with num_delivered > 1.", registry=registry
+        )
+        self.duplicates = Counter(
+            f"{PREFIX}_duplicates_absorbed",
+            "Deliveries of charges already final, absorbed by the ledger claim.",
+            registry=registry,
+        )
+        self.charges = Counter(
+            f"{PREFIX}_charges", "Charges settled, by result.", ["result"], registry=registry
+        )
+        self.dead_letters = Counter(
+            f"{PREFIX}_dead_letters", "Dead letters written, by reason.", ["reason"],
+            registry=registry,
+        )  # fmt: skip
+        self.heartbeats = Counter(
+            f"{PREFIX}_heartbeats", "In-progress acks (+WPI) sent.", registry=registry
+        )
+        self.breaker_open = Gauge(
+            f"{PREFIX}_breaker_open", "1 while a dependency's circuit breaker is not closed.",
+            ["dependency"], registry=registry,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            f"{PREFIX}_in_flight", "Messages being processed now.", registry=registry
+        )
+        self.processing = Histogram(
+            f"{PREFIX}_processing_seconds", "Time from fetch to settle of one delivery.",
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )  # fmt: skip

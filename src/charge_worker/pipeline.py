@@ -1,0 +1,130 @@
+"""What happens to one delivery: parse, claim, look up, score, charge, record.
+
+It returns a `Result` (decisions.py decides what JetStream is told; consumer.py tells it)
+and never touches the message itself. The claim in the ledger comes before any side
+effect; the gateway's idempotency key is the second barrier; a row whose earlier gateway
+call has no recorded outcome is looked up before anything is sent again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from charge_worker.decisions import Outcome, Result, result_of
+from charge_worker.errors import (
+    ChargeWorkerError,
+    GatewayRejected,
+    OutcomeUnknown,
+    TransientError,
+)
+from charge_worker.gateway import GatewayClient
+from charge_worker.ledger import Claim, Ledger, Scoring
+from charge_worker.messages import ChargeDue, parse
+from charge_worker.scoring import ScoringClient, ScoringFailure
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the pipeline needs to know about one delivery of a message."""
+
+    data: bytes
+    stream_seq: int
+    num_delivered: int
+    traceparent: str | None = None
+
+
+@dataclass
+class Processed:
+    result: Result
+    charge: ChargeDue | None = None
+    claim: Claim | None = None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        ledger: Ledger,
+        gateway: GatewayClient,
+        scoring: ScoringClient,
+        *,
+        owner: str,
+    ) -> None:
+        self.ledger = ledger
+        self.gateway = gateway
+        self.scoring = scoring
+        self.owner = owner
+
+    async def process(self, delivery: Delivery) -> Processed:
+        """Run one delivery to a result; domain errors become results, nothing escapes."""
+        done = Processed(Result(Outcome.UNAVAILABLE))
+        try:
+            done.charge = parse(delivery.data)
+            done.claim = await self.ledger.claim(done.charge, self.owner, delivery.stream_seq)
+            done.result = await self._charge(done.charge, done.claim, delivery.traceparent)
+        except ChargeWorkerError as error:
+            done.result = result_of(error)
+            if done.claim is not None and isinstance(error, TransientError):
+                await self._retry_later(done.claim, error)
+        return done
+
+    async def _retry_later(self, claim: Claim, error: TransientError) -> None:
+        # an unknown outcome keeps the lease: the abandoned call may still be in flight
+        # if the ledger is down too, the lease expires by itself and a redelivery takes over
+        with contextlib.suppress(ChargeWorkerError):
+            await self.ledger.retry_later(
+                claim, str(error), keep_lease=isinstance(error, OutcomeUnknown)
+            )
+
+    async def _charge(self, charge: ChargeDue, claim: Claim, traceparent: str | None) -> Result:
+        if claim.outcome_unknown and (found := await self._resolve_by_lookup(charge, claim)):
+            return found
+        scoring, deferred_reason = claim.scoring, None
+        if scoring is None:
+            verdict = await self.scoring.score(charge, traceparent=traceparent)
+            if isinstance(verdict, ScoringFailure):
+                if self.scoring.policy == "hold":
+                    raise _NoVerdict(verdict.reason)
+                scoring, deferred_reason = "deferred", verdict.reason
+            elif verdict.decision == "block":
+                await self.ledger.settle(claim, "blocked", scoring="blocked")
+                return Result(Outcome.BLOCKED)
+            else:
+                scoring = "approved"
+        await self.ledger.begin_gateway_call(
+            claim, scoring=scoring, deferred_reason=deferred_reason
+        )
+        return await self._call_gateway(charge, claim, scoring, traceparent)
+
+    async def _call_gateway(
+        self, charge: ChargeDue, claim: Claim, scoring: Scoring, traceparent: str | None
+    ) -> Result:
+        try:
+            answer = await self.gateway.charge(charge, traceparent=traceparent)
+        except GatewayRejected as error:
+            await self.ledger.settle(claim, "failed", error=str(error))
+            raise
+        except OutcomeUnknown as error:
+            # retry once the lease (which outlives this call) has run out
+            raise OutcomeUnknown(str(error), retry_after_s=self.ledger.lease_s) from error
+        if answer.status == "succeeded":
+            await self.ledger.settle(claim, "succeeded", charge_id=answer.charge_id)
+            return Result(Outcome.CHARGED)
+        await self.ledger.settle(claim, "declined", error=answer.decline_code)
+        return Result(Outcome.DECLINED)
+
+    async def _resolve_by_lookup(self, charge: ChargeDue, claim: Claim) -> Result | None:
+        """Record what the gateway already did for this key; None if it did nothing."""
+        found = await self.gateway.lookup(charge.order_id, charge.billing_period)
+        charged = [c for c in found if c.status in ("succeeded", "refunded")]
+        if charged:
+            await self.ledger.settle(claim, "succeeded", charge_id=charged[0].id)
+            return Result(Outcome.CHARGED)
+        if any(c.status == "failed" for c in found):
+            await self.ledger.settle(claim, "declined", error="declined (found by lookup)")
+            return Result(Outcome.DECLINED)
+        return None
+
+
+class _NoVerdict(TransientError):
+    """Scoring gave no verdict and the policy is `hold`: wait for one."""

@@ -1,0 +1,210 @@
+"""The worker end to end in-process: real NATS, PostgreSQL and simulators over HTTP.
+
+Each test is one of the incidents the product exists for; each would fail on the
+incident's code (no claim, no heartbeat, no idempotency).
+"""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+from nats.aio.client import Client
+
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings, Settings
+
+from .worker_harness import (
+    due,
+    eventually,
+    gateway_charges,
+    provisioned,
+    publish,
+    running_worker,
+    set_sim,
+    settings_for,
+)
+
+
+@pytest.fixture
+def settings(
+    nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp, scoring_sim: ServedApp
+) -> Settings:
+    return settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+
+
+async def statuses(database_url: str) -> dict[int, str]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT order_id, status FROM charge_attempts")
+    finally:
+        await conn.close()
+    return {row["order_id"]: row["status"] for row in rows}
+
+
+def settled(database_url: str, count: int):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        rows = await statuses(database_url)
+        return len(rows) >= count and all(s not in ("pending", "scheduled") for s in rows.values())
+
+    return check
+
+
+async def test_charges_declines_and_blocks(
+    nc: Client, settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    js = await provisioned(nc, settings)
+    async with running_worker(settings) as worker:
+        await publish(js, settings.nats.subject, due(1))
+        await publish(js, settings.nats.subject, due(2, customer="cus_decline_x"))
+        await publish(js, settings.nats.subject, due(3, customer="cus_block_x"))
+        await eventually(settled(database_url, 3), "three charges settled")
+        await eventually(
+            lambda: _async(
+                worker.metric("charge_worker_messages_total", outcome="blocked", action="ack") == 1
+            ),  # fmt: skip
+            "the last ack counted",
+        )
+    assert await statuses(database_url) == {1: "succeeded", 2: "declined", 3: "blocked"}
+    assert await gateway_charges(gateway_sim.url) == {"1:2026-12-01": 1}
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_one_message_delivered_three_times_charges_once(
+    nc: Client, settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    js = await provisioned(nc, settings)
+    for copy in range(3):  # three stream messages, as a producer retrying past the window
+        await publish(js, settings.nats.subject, due(7), msg_id=f"retry-{copy}")
+    async with running_worker(settings) as worker:
+        await eventually(settled(database_url, 1), "the charge settled")
+        await eventually(
+            lambda: _async(worker.metric("charge_worker_duplicates_absorbed_total") == 2),
+            "two duplicates absorbed",
+        )
+    assert await gateway_charges(gateway_sim.url) == {"7:2026-12-01": 1}
+
+
+async def test_ten_concurrent_copies_charge_once(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url, concurrency=10
+    )
+    await set_sim(gateway_sim.url, latency={"fixed_s": 0.3})  # copies overlap in flight
+    js = await provisioned(nc, settings)
+    for copy in range(10):
+        await publish(js, settings.nats.subject, due(8), msg_id=f"copy-{copy}")
+    async with running_worker(settings):
+        await eventually(settled(database_url, 1), "the charge settled")
+        await eventually(lambda: _consumer_idle(nc, settings), "every copy acked", within_s=90)
+    assert await gateway_charges(gateway_sim.url) == {"8:2026-12-01": 1}
+
+
+async def _consumer_idle(nc: Client, settings: Settings) -> bool:
+    info = await nc.jetstream().consumer_info(settings.nats.stream, settings.nats.durable)
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_scoring_slower_than_ack_wait_charges_once_without_redelivery(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    """The incident: scoring at 7 s, AckWait 5 s. Heartbeats keep the message ours."""
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
+        ack_wait_s=5.0, backoff_s=(5.0, 10.0), scoring_timeout_s=9.0,
+    )  # fmt: skip
+    await set_sim(scoring_sim.url, latency={"fixed_s": 7.0})
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, due(9))
+    async with running_worker(settings) as worker:
+        await eventually(settled(database_url, 1), "the charge settled")
+        assert worker.metric("charge_worker_redeliveries_total") == 0
+        assert worker.metric("charge_worker_heartbeats_total") >= 3
+    assert await gateway_charges(gateway_sim.url) == {"9:2026-12-01": 1}
+
+
+async def test_idempotency_disabled_at_the_gateway_still_charges_once(
+    nc: Client, settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    js = await provisioned(nc, settings)
+    for copy in range(5):
+        await publish(js, settings.nats.subject, due(10), msg_id=f"copy-{copy}")
+    async with running_worker(settings):
+        await eventually(settled(database_url, 1), "the charge settled")
+        await eventually(lambda: _consumer_idle(nc, settings), "every copy acked")
+    assert await gateway_charges(gateway_sim.url) == {"10:2026-12-01": 1}
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"not json", "not UTF-8 JSON"),
+        (due(11, amount=0), "amount_minor"),
+        (due(12, schema="charge.due/v9"), "schema"),
+    ],
+)
+async def test_poison_is_dead_lettered_after_one_delivery(
+    nc: Client, settings: Settings, body: bytes, reason: str
+) -> None:
+    js = await provisioned(nc, settings)
+    seq = await publish(js, settings.nats.subject, body, msg_id="poison-1")
+    async with running_worker(settings):
+        await eventually(lambda: _dlq_count(nc, settings, 1), "one dead letter")
+    dead = await js.get_msg(settings.nats.dlq_stream, 1)
+    headers = dead.headers or {}
+    assert dead.data == body  # byte for byte
+    assert headers["Dlq-Reason"] == "poison"
+    assert reason in headers["Dlq-Error"]
+    assert headers["Dlq-Stream-Seq"] == str(seq)
+    assert headers["Dlq-Num-Delivered"] == "1"
+    assert headers["Dlq-Orig-Msg-Id"] == "poison-1"
+    assert await _consumer_idle(nc, settings)
+
+
+async def _dlq_count(nc: Client, settings: Settings, count: int) -> bool:
+    info = await nc.jetstream().stream_info(settings.nats.dlq_stream)
+    return info.state.messages >= count
+
+
+async def test_conflicting_payload_is_dead_lettered_never_charged(
+    nc: Client, settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, due(13, amount=500))
+    async with running_worker(settings):
+        await eventually(settled(database_url, 1), "the first charge settled")
+        await publish(js, settings.nats.subject, due(13, amount=900), msg_id="other-amount")
+        await eventually(lambda: _dlq_count(nc, settings, 1), "the conflict dead-lettered")
+    dead = await js.get_msg(settings.nats.dlq_stream, 1)
+    assert (dead.headers or {})["Dlq-Reason"] == "conflict"
+    assert await gateway_charges(gateway_sim.url) == {"13:2026-12-01": 1}
+
+
+async def test_max_deliveries_dead_letters_with_the_original_payload(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
+        scoring_policy="hold", max_deliver=3, ack_wait_s=1.0, backoff_s=(1.0, 1.0),
+        heartbeat_s=0.3, scoring_timeout_s=0.5,
+    )  # fmt: skip
+    await set_sim(scoring_sim.url, error_rate=1.0)  # no verdict ever; policy hold waits
+    body = due(14)
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, body)
+    async with running_worker(settings):
+        await eventually(lambda: _dlq_count(nc, settings, 1), "dead-lettered after 3 deliveries")
+    dead = await js.get_msg(settings.nats.dlq_stream, 1)
+    headers = dead.headers or {}
+    assert dead.data == body
+    assert headers["Dlq-Reason"] == "max_deliveries"
+    assert headers["Dlq-Num-Delivered"] == "3"
+    assert await statuses(database_url) == {14: "failed"}  # never sent to the gateway
+    assert await gateway_charges(gateway_sim.url) == {}

@@ -1,0 +1,160 @@
+"""Run a real worker in the test's event loop against real servers and simulators."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from charge_worker import streams
+from charge_worker.app import run_worker
+from charge_worker.consumer import Consumer
+from charge_worker.settings import (
+    DbSettings,
+    GatewaySettings,
+    HttpSettings,
+    NatsSettings,
+    ScoringSettings,
+    Settings,
+    WorkerSettings,
+)
+
+PERIOD = dt.date(2026, 12, 1)
+WAIT_S = 60.0
+
+
+def settings_for(
+    nats: NatsSettings,
+    database_url: str,
+    gateway_url: str,
+    scoring_url: str,
+    **overrides: Any,
+) -> Settings:
+    """Fast test settings; `overrides` are field=value of any group."""
+    groups: dict[str, dict[str, Any]] = {
+        "nats": {"ack_wait_s": 5.0, "backoff_s": (5.0, 10.0), "max_deliver": 4},
+        "db": {"url": database_url, "db_pool_max": 20},
+        "worker": {"concurrency": 8, "processing_budget_s": 60.0, "lease_s": 15.0, "drain_s": 10.0},
+        "scoring": {"url": scoring_url},
+        "gateway": {
+            "url": gateway_url,
+            "api_key": SecretStr("sk_test_sandbox"),
+            "gateway_timeout_s": 5.0,
+        },  # fmt: skip
+        "http": {"http_host": "127.0.0.1", "metrics_port": 0},
+    }
+    classes = {
+        "nats": NatsSettings,
+        "db": DbSettings,
+        "worker": WorkerSettings,
+        "scoring": ScoringSettings,
+        "gateway": GatewaySettings,
+        "http": HttpSettings,
+    }
+    for field, value in overrides.items():
+        group = next(g for g, cls in classes.items() if field in cls.model_fields)
+        groups[group][field] = value
+    base = nats.model_dump()
+    built = {name: classes[name](**(base if name == "nats" else {}) | values)
+             for name, values in groups.items()}  # fmt: skip
+    return Settings(**built)
+
+
+def due(order_id: int, customer: str = "cus_ok", amount: int = 99000, **extra: Any) -> bytes:
+    return json.dumps(
+        {
+            "schema": "charge.due/v1",
+            "order_id": order_id,
+            "billing_period": PERIOD.isoformat(),
+            "subscription_id": f"sub_{order_id}",
+            "customer_id": customer,
+            "amount_minor": amount,
+            "currency": "RUB",
+            "due_at": "2026-12-01T00:00:00Z",
+            **extra,
+        }
+    ).encode()
+
+
+async def provisioned(nc: Client, settings: Settings) -> JetStreamContext:
+    """Streams and consumer shaped by these settings, before anything is published."""
+    js = nc.jetstream()
+    report = await streams.provision(js, settings.nats)
+    assert not report.drift, report.drift
+    return js
+
+
+async def publish(
+    js: JetStreamContext, subject: str, body: bytes, msg_id: str | None = None
+) -> int:
+    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+    ack = await js.publish(subject, body, headers=headers)
+    return ack.seq
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], what: str, within_s: float = WAIT_S
+) -> None:
+    """Wait until `check()` is true; fail naming `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def gateway_charges(gateway_url: str) -> Counter[str]:
+    """Successful charges per idempotency key, counted at the gateway simulator."""
+    async with httpx.AsyncClient() as client:
+        data = (await client.get(f"{gateway_url}/_sim/charges")).json()["data"]
+    return Counter(c["idempotency_key"] for c in data if c["status"] in ("succeeded", "refunded"))
+
+
+async def set_sim(url: str, **config: Any) -> None:
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/_sim/config", json=config)
+        response.raise_for_status()
+
+
+@dataclass
+class RunningWorker:
+    consumer: Consumer
+    registry: CollectorRegistry
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings) -> AsyncIterator[RunningWorker]:
+    stop = asyncio.Event()
+    registry = CollectorRegistry()
+    started: asyncio.Future[Consumer] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        run_worker(settings, stop, registry=registry, on_ready=started.set_result)
+    )
+    done, _ = await asyncio.wait({task, started}, timeout=WAIT_S, return_when="FIRST_COMPLETED")
+    if task in done:
+        task.result()  # raises what stopped it
+    consumer = started.result()
+    await asyncio.wait_for(consumer.ready.wait(), WAIT_S)
+    worker = RunningWorker(consumer, registry, stop, task)
+    try:
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)
