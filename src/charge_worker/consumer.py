@@ -72,7 +72,7 @@ class Consumer:
                     continue
                 try:
                     msgs = await sub.fetch(free, timeout=self.settings.worker.fetch_wait_s)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nothing to fetch (nats-py raises the builtin one)
                     continue
                 except nats.errors.Error as error:
                     log.warning("consumer.fetch_failed", error=repr(error))

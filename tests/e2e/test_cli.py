@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from charge_worker.sandbox.embedded import free_port
 from charge_worker.settings import NatsSettings
 
 COMMANDS = [
@@ -61,8 +62,6 @@ def test_invalid_setting_stops_the_command_with_one_line() -> None:
 
 
 def test_unreachable_database_is_one_line() -> None:
-    from charge_worker.sandbox.embedded import free_port
-
     url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     result = run("migrate", env={"DATABASE_URL": url})
     assert result.returncode == 1

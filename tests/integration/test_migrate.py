@@ -167,7 +167,7 @@ async def test_a_failing_migration_rolls_back_and_names_the_file(
 ) -> None:
     (tmp_path / "0001_ok.sql").write_text("CREATE TABLE ok (id int);")
     (tmp_path / "0002_broken.sql").write_text("CREATE TABLE half (id int); SELECT nonsense;")
-    with pytest.raises(MigrationError, match="0002_broken.sql failed"):
+    with pytest.raises(MigrationError, match=r"0002_broken\.sql failed"):
         await migrate(empty_database_url, tmp_path)
     conn = await asyncpg.connect(empty_database_url)
     try:
@@ -179,5 +179,5 @@ async def test_a_failing_migration_rolls_back_and_names_the_file(
 
 def test_badly_named_file_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "add_table.sql").write_text("SELECT 1;")
-    with pytest.raises(MigrationError, match="NNNN_lower_snake.sql"):
+    with pytest.raises(MigrationError, match=r"NNNN_lower_snake\.sql"):
         discover(tmp_path)

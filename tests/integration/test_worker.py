@@ -6,6 +6,8 @@ incident's code (no claim, no heartbeat, no idempotency).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import asyncpg
 import pytest
 from nats.aio.client import Client
@@ -41,7 +43,7 @@ async def statuses(database_url: str) -> dict[int, str]:
     return {row["order_id"]: row["status"] for row in rows}
 
 
-def settled(database_url: str, count: int):  # type: ignore[no-untyped-def]
+def settled(database_url: str, count: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         rows = await statuses(database_url)
         return len(rows) >= count and all(s not in ("pending", "scheduled") for s in rows.values())
@@ -59,17 +61,13 @@ async def test_charges_declines_and_blocks(
         await publish(js, settings.nats.subject, due(3, customer="cus_block_x"))
         await eventually(settled(database_url, 3), "three charges settled")
         await eventually(
-            lambda: _async(
+            lambda: (
                 worker.metric("charge_worker_messages_total", outcome="blocked", action="ack") == 1
-            ),  # fmt: skip
+            ),
             "the last ack counted",
         )
     assert await statuses(database_url) == {1: "succeeded", 2: "declined", 3: "blocked"}
     assert await gateway_charges(gateway_sim.url) == {"1:2026-12-01": 1}
-
-
-async def _async(value: bool) -> bool:
-    return value
 
 
 async def test_one_message_delivered_three_times_charges_once(
@@ -81,7 +79,7 @@ async def test_one_message_delivered_three_times_charges_once(
     async with running_worker(settings) as worker:
         await eventually(settled(database_url, 1), "the charge settled")
         await eventually(
-            lambda: _async(worker.metric("charge_worker_duplicates_absorbed_total") == 2),
+            lambda: worker.metric("charge_worker_duplicates_absorbed_total") == 2,
             "two duplicates absorbed",
         )
     assert await gateway_charges(gateway_sim.url) == {"7:2026-12-01": 1}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import inspect
 import json
 import time
 from collections import Counter
@@ -52,7 +53,7 @@ def settings_for(
             "url": gateway_url,
             "api_key": SecretStr("sk_test_sandbox"),
             "gateway_timeout_s": 5.0,
-        },  # fmt: skip
+        },
         "http": {"http_host": "127.0.0.1", "metrics_port": 0},
     }
     classes = {
@@ -105,11 +106,11 @@ async def publish(
 
 
 async def eventually(
-    check: Callable[[], Awaitable[bool]], what: str, within_s: float = WAIT_S
+    check: Callable[[], bool | Awaitable[bool]], what: str, within_s: float = WAIT_S
 ) -> None:
-    """Wait until `check()` is true; fail naming `what` after `within_s`."""
+    """Wait until `check()` (sync or async) is true; fail naming `what` after `within_s`."""
     deadline = time.monotonic() + within_s
-    while not await check():
+    while not await _truth(check()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for: {what}")
         await asyncio.sleep(0.05)
@@ -126,6 +127,10 @@ async def set_sim(url: str, **config: Any) -> None:
     async with httpx.AsyncClient() as client:
         response = await client.post(f"{url}/_sim/config", json=config)
         response.raise_for_status()
+
+
+async def _truth(value: bool | Awaitable[bool]) -> bool:
+    return await value if inspect.isawaitable(value) else value
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from charge_worker.errors import SettingsError
@@ -9,10 +12,8 @@ from charge_worker.settings import Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory) -> None:
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Each test sees only the variables it sets, and no stray .env file."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("CHARGE_WORKER_") or name in {
             "NATS_URL",
@@ -22,7 +23,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
             "SCORING_URL",
         }:
             monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
+    monkeypatch.chdir(tmp_path)
 
 
 def test_defaults_are_valid_and_match_the_contract() -> None:
@@ -60,9 +61,7 @@ def test_backoff_accepts_a_json_list(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings().nats.backoff_s == (30, 60)
 
 
-def test_env_file_is_read(tmp_path: object) -> None:
-    from pathlib import Path
-
+def test_env_file_is_read() -> None:
     Path(".env").write_text("CHARGE_WORKER_CONCURRENCY=7\n")
     assert load_settings().worker.concurrency == 7
 
