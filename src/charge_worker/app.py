@@ -24,11 +24,13 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from charge_worker import streams
+from charge_worker.checks import BATCH, rescore_deferred
 from charge_worker.consumer import Consumer
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
+from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import Ledger, create_pool
+from charge_worker.ledger import DeferredChecks, Ledger, create_pool
 from charge_worker.metrics import Metrics
 from charge_worker.pipeline import Pipeline
 from charge_worker.scoring import ScoringClient
@@ -111,7 +113,14 @@ async def run_worker(
     consumer = Consumer(
         settings,
         js=js,
-        pipeline=Pipeline(ledger, gateway, scoring, owner=owner),
+        pipeline=Pipeline(
+            ledger,
+            gateway,
+            scoring,
+            owner=owner,
+            metrics=metrics,
+            failpoints=Failpoints(settings.worker.failpoints),
+        ),
         dead_letters=dead_letters,
         ledger=ledger,
         gateway=gateway,
@@ -131,6 +140,17 @@ async def run_worker(
         )
     )
     http_task = asyncio.create_task(server.serve())
+    # a taken batch stays leased long enough to score all of it at the full timeout
+    checks = DeferredChecks(
+        pool,
+        retry_s=BATCH * settings.scoring.scoring_timeout_s
+        + settings.worker.deferred_check_interval_s,
+    )
+    checks_task = asyncio.create_task(
+        rescore_deferred(
+            checks, scoring, metrics, stop, interval_s=settings.worker.deferred_check_interval_s
+        )
+    )
     log.info("worker.started", concurrency=settings.worker.concurrency)
     try:
         consuming = asyncio.create_task(consumer.run(stop))
@@ -138,6 +158,8 @@ async def run_worker(
         await consuming
     finally:
         server.should_exit = True
+        stop.set()
+        await checks_task
         await advisories.unsubscribe()
         await http_task
         await gateway.aclose()

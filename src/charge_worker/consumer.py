@@ -20,7 +20,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, decide
+from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, Result, decide
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
@@ -129,6 +129,9 @@ class Consumer:
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         try:
             processed = await self.pipeline.process(delivery)
+        except Exception as error:  # a bug must not kill the loop or go silent
+            log.exception("charge.crashed")
+            processed = Processed(Result(Outcome.UNAVAILABLE, error=f"unexpected: {error!r}"))
         finally:
             heartbeat.cancel()
             self.metrics.in_flight.dec()
@@ -174,11 +177,13 @@ class Consumer:
                     action = Nak(self.settings.nats.ack_wait_s)  # never dropped
                 else:
                     self.metrics.dead_letters.labels(action.reason).inc()
+                    self.pipeline.failpoints.hit("after_dead_letter_before_term")
                     await msg.term()
                     return action
             if isinstance(action, Nak):
                 await msg.nak(delay=action.delay_s)
             else:
+                self.pipeline.failpoints.hit("after_commit_before_ack")
                 await msg.ack()
         except nats.errors.Error as error:
             # the connection is down: JetStream redelivers after AckWait; the ledger decides

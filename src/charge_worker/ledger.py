@@ -238,3 +238,57 @@ class Ledger:
                 billing_period,
             )
         return None if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class DeferredCheck:
+    """A charge made without a scoring verdict, due to be scored now."""
+
+    order_id: int
+    billing_period: dt.date
+    customer_id: str
+    amount_minor: int
+    currency: str
+
+
+# Taking checks pushes their next try forward: that is their lease across pods.
+_TAKE_CHECKS = """
+UPDATE deferred_scoring_checks AS d
+   SET tries = d.tries + 1, next_try_at = now() + make_interval(secs => $2)
+  FROM charge_attempts AS c
+ WHERE (d.order_id, d.billing_period) IN (
+           SELECT order_id, billing_period FROM deferred_scoring_checks
+            WHERE status = 'pending' AND next_try_at <= now()
+            ORDER BY next_try_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+   AND c.order_id = d.order_id AND c.billing_period = d.billing_period
+RETURNING d.order_id, d.billing_period, c.customer_id, c.amount_minor, c.currency
+"""
+
+_RESOLVE_CHECK = """
+WITH resolved AS (
+    UPDATE deferred_scoring_checks SET status = $3, resolved_at = now(), last_error = NULL
+     WHERE order_id = $1 AND billing_period = $2 AND status = 'pending'
+    RETURNING order_id, billing_period
+)
+UPDATE charge_attempts AS c
+   SET review_reason = 'scoring blocked it after the charge (deferred check)', updated_at = now()
+  FROM resolved AS r
+ WHERE $3 = 'blocked' AND c.order_id = r.order_id AND c.billing_period = r.billing_period
+"""
+
+
+class DeferredChecks:
+    """The queue of post-hoc scoring checks, in the ledger's database."""
+
+    def __init__(self, pool: asyncpg.Pool, *, retry_s: float) -> None:
+        self.pool = pool
+        self.retry_s = retry_s
+
+    async def take(self, limit: int) -> list[DeferredCheck]:
+        async with _translated():
+            rows = await self.pool.fetch(_TAKE_CHECKS, limit, self.retry_s)
+        return [DeferredCheck(*row.values()) for row in rows]
+
+    async def resolve(self, check: DeferredCheck, verdict: Literal["approved", "blocked"]) -> None:
+        async with _translated():
+            await self.pool.execute(_RESOLVE_CHECK, check.order_id, check.billing_period, verdict)

@@ -30,6 +30,18 @@ class Metrics:
         self.charges = Counter(
             f"{PREFIX}_charges", "Charges settled, by result.", ["result"], registry=registry
         )
+        self.gateway_calls = Counter(
+            f"{PREFIX}_gateway_calls", "Charge calls to the gateway, by result.", ["result"],
+            registry=registry,
+        )  # fmt: skip
+        self.scoring = Counter(
+            f"{PREFIX}_scoring", "Scoring calls by result (approve, block, failed_<policy>).",
+            ["result"], registry=registry,
+        )  # fmt: skip
+        self.deferred_checks = Counter(
+            f"{PREFIX}_deferred_checks_resolved", "Deferred scoring checks resolved, by verdict.",
+            ["verdict"], registry=registry,
+        )  # fmt: skip
         self.dead_letters = Counter(
             f"{PREFIX}_dead_letters", "Dead letters written, by reason.", ["reason"],
             registry=registry,

@@ -18,10 +18,12 @@ from charge_worker.errors import (
     OutcomeUnknown,
     TransientError,
 )
+from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
 from charge_worker.ledger import Claim, Ledger, Scoring
 from charge_worker.messages import ChargeDue, parse
-from charge_worker.scoring import ScoringClient, ScoringFailure
+from charge_worker.metrics import Metrics
+from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,15 @@ class Pipeline:
         scoring: ScoringClient,
         *,
         owner: str,
+        metrics: Metrics,
+        failpoints: Failpoints | None = None,
     ) -> None:
+        self.metrics = metrics
         self.ledger = ledger
         self.gateway = gateway
         self.scoring = scoring
         self.owner = owner
+        self.failpoints = failpoints or Failpoints()
 
     async def process(self, delivery: Delivery) -> Processed:
         """Run one delivery to a result; domain errors become results, nothing escapes."""
@@ -61,6 +67,7 @@ class Pipeline:
         try:
             done.charge = parse(delivery.data)
             done.claim = await self.ledger.claim(done.charge, self.owner, delivery.stream_seq)
+            self.failpoints.hit("after_claim")
             done.result = await self._charge(done.charge, done.claim, delivery.traceparent)
         except ChargeWorkerError as error:
             done.result = result_of(error)
@@ -81,7 +88,15 @@ class Pipeline:
             return found
         scoring, deferred_reason = claim.scoring, None
         if scoring is None:
-            verdict = await self.scoring.score(charge, traceparent=traceparent)
+            verdict = await self.scoring.score(
+                order_id=charge.order_id,
+                customer_id=charge.customer_id,
+                amount_minor=charge.amount_minor,
+                currency=charge.currency,
+                traceparent=traceparent,
+            )
+            self.metrics.scoring.labels(_scoring_label(verdict, self.scoring.policy)).inc()
+            self.failpoints.hit("after_scoring")
             if isinstance(verdict, ScoringFailure):
                 if self.scoring.policy == "hold":
                     raise _NoVerdict(verdict.reason)
@@ -99,14 +114,22 @@ class Pipeline:
     async def _call_gateway(
         self, charge: ChargeDue, claim: Claim, scoring: Scoring, traceparent: str | None
     ) -> Result:
+        self.failpoints.hit("before_gateway_call")
         try:
             answer = await self.gateway.charge(charge, traceparent=traceparent)
         except GatewayRejected as error:
+            self.metrics.gateway_calls.labels("rejected").inc()
             await self.ledger.settle(claim, "failed", error=str(error))
             raise
         except OutcomeUnknown as error:
+            self.metrics.gateway_calls.labels("outcome_unknown").inc()
             # retry once the lease (which outlives this call) has run out
             raise OutcomeUnknown(str(error), retry_after_s=self.ledger.lease_s) from error
+        except ChargeWorkerError as error:
+            self.metrics.gateway_calls.labels(result_of(error).outcome.value).inc()
+            raise
+        self.metrics.gateway_calls.labels(answer.status).inc()
+        self.failpoints.hit("after_gateway_response_before_commit")
         if answer.status == "succeeded":
             await self.ledger.settle(claim, "succeeded", charge_id=answer.charge_id)
             return Result(Outcome.CHARGED)
@@ -124,6 +147,12 @@ class Pipeline:
             await self.ledger.settle(claim, "declined", error="declined (found by lookup)")
             return Result(Outcome.DECLINED)
         return None
+
+
+def _scoring_label(verdict: Verdict | ScoringFailure, policy: str) -> str:
+    if isinstance(verdict, ScoringFailure):
+        return f"failed_{policy}"
+    return verdict.decision
 
 
 class _NoVerdict(TransientError):

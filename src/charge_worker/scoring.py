@@ -17,7 +17,6 @@ import pybreaker
 
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
 from charge_worker.http import build_breaker, build_client
-from charge_worker.messages import ChargeDue
 from charge_worker.settings import ScoringSettings, require
 
 
@@ -53,15 +52,25 @@ class ScoringClient:
     async def aclose(self) -> None:
         await self.client.aclose()
 
+    @property
+    def available(self) -> bool:
+        return self.breaker.current_state == "closed"
+
     async def score(
-        self, charge: ChargeDue, *, traceparent: str | None = None
+        self,
+        *,
+        order_id: int,
+        customer_id: str,
+        amount_minor: int,
+        currency: str,
+        traceparent: str | None = None,
     ) -> Verdict | ScoringFailure:
         """A verdict, or the reason there is none. Never raises for the service's faults."""
         body = {
-            "order_id": charge.order_id,
-            "customer_id": charge.customer_id,
-            "amount_minor": charge.amount_minor,
-            "currency": charge.currency,
+            "order_id": order_id,
+            "customer_id": customer_id,
+            "amount_minor": amount_minor,
+            "currency": currency,
         }
         headers = {"traceparent": traceparent} if traceparent else None
         try:

@@ -206,3 +206,50 @@ async def test_max_deliveries_dead_letters_with_the_original_payload(
     assert headers["Dlq-Num-Delivered"] == "3"
     assert await statuses(database_url) == {14: "failed"}  # never sent to the gateway
     assert await gateway_charges(gateway_sim.url) == {}
+
+
+async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
+        deferred_check_interval_s=0.2, scoring_breaker_failures=100,
+    )  # fmt: skip
+    await set_sim(scoring_sim.url, error_rate=1.0)
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, due(15, customer="cus_block_later"))
+    await publish(js, settings.nats.subject, due(16))
+    async with running_worker(settings) as worker:
+        await eventually(settled(database_url, 2), "both charged without a verdict")
+        assert worker.metric("charge_worker_scoring_total", result="failed_defer") == 2
+        await set_sim(scoring_sim.url, error_rate=0.0)  # scoring is healthy again
+        await eventually(
+            lambda: (
+                worker.metric("charge_worker_deferred_checks_resolved_total", verdict="blocked")
+                == 1
+            ),
+            "the late block found",
+        )
+        await eventually(
+            lambda: (
+                worker.metric("charge_worker_deferred_checks_resolved_total", verdict="approved")
+                == 1
+            ),
+            "the other check approved",
+        )
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT order_id, status, scoring, review_reason FROM charge_attempts ORDER BY 1"
+        )
+        checks = await conn.fetch("SELECT order_id, status FROM deferred_scoring_checks ORDER BY 1")
+    finally:
+        await conn.close()
+    assert [(r["order_id"], r["status"], r["scoring"]) for r in rows] == [
+        (15, "succeeded", "deferred"),
+        (16, "succeeded", "deferred"),
+    ]
+    assert rows[0]["review_reason"] is not None
+    assert rows[1]["review_reason"] is None
+    assert [(c["order_id"], c["status"]) for c in checks] == [(15, "blocked"), (16, "approved")]

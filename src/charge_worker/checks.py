@@ -1,0 +1,65 @@
+"""The background task that re-scores charges made without a verdict (policy `defer`).
+
+It runs in every worker; checks are taken with `SKIP LOCKED` and a pushed-forward retry
+time, so pods never score one check twice at once. It waits while scoring's breaker is
+open. A late `block` marks the charge for review (`review_reason`) and counts in
+`charge_worker_deferred_checks_resolved_total{verdict="blocked"}`; it never refunds by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Literal
+
+import structlog
+
+from charge_worker.errors import ChargeWorkerError
+from charge_worker.ledger import DeferredChecks
+from charge_worker.metrics import Metrics
+from charge_worker.scoring import ScoringClient, ScoringFailure
+
+log = structlog.get_logger("charge_worker.checks")
+BATCH = 50
+
+
+async def rescore_deferred(
+    checks: DeferredChecks,
+    scoring: ScoringClient,
+    metrics: Metrics,
+    stop: asyncio.Event,
+    *,
+    interval_s: float,
+) -> None:
+    """Score due checks every `interval_s` until `stop` is set."""
+    while not stop.is_set():
+        if scoring.available:
+            try:
+                await _one_round(checks, scoring, metrics)
+            except ChargeWorkerError as error:
+                log.warning("checks.round_failed", error=str(error))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def _one_round(checks: DeferredChecks, scoring: ScoringClient, metrics: Metrics) -> None:
+    for check in await checks.take(BATCH):
+        verdict = await scoring.score(
+            order_id=check.order_id,
+            customer_id=check.customer_id,
+            amount_minor=check.amount_minor,
+            currency=check.currency,
+        )
+        if isinstance(verdict, ScoringFailure):
+            return  # still unhealthy: the taken checks come due again later
+        resolved: Literal["approved", "blocked"] = (
+            "blocked" if verdict.decision == "block" else "approved"
+        )
+        await checks.resolve(check, resolved)
+        metrics.deferred_checks.labels(resolved).inc()
+        if resolved == "blocked":
+            log.warning(
+                "checks.late_block",
+                order_id=check.order_id,
+                billing_period=check.billing_period.isoformat(),
+            )
