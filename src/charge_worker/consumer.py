@@ -20,7 +20,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, Result, decide
+from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, Requeue, decide
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
@@ -129,9 +129,6 @@ class Consumer:
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         try:
             processed = await self.pipeline.process(delivery)
-        except Exception as error:  # a bug must not kill the loop or go silent
-            log.exception("charge.crashed")
-            processed = Processed(Result(Outcome.UNAVAILABLE, error=f"unexpected: {error!r}"))
         finally:
             heartbeat.cancel()
             self.metrics.in_flight.dec()
@@ -157,30 +154,16 @@ class Consumer:
     async def _settle(
         self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
     ) -> Action:
-        """The one place that acks, naks or terminates. Returns what was really done."""
+        """The one place that acks, naks, requeues or terminates. Returns what was done."""
         try:
             if isinstance(action, DeadLetter):
-                if processed.claim is not None and action.reason == "max_deliveries":
-                    with contextlib.suppress(ChargeWorkerError):
-                        await self.ledger.give_up(processed.claim, "dead-lettered: max_deliveries")
-                try:
-                    await self.dead_letters.write(
-                        msg.data,
-                        reason=action.reason,
-                        error=processed.result.error or action.reason,
-                        stream_seq=delivery.stream_seq,
-                        num_delivered=delivery.num_delivered,
-                        original=msg.headers,
-                    )
-                except ChargeWorkerError as error:
-                    log.error("dlq.write_failed", error=str(error))
-                    action = Nak(self.settings.nats.ack_wait_s)  # never dropped
-                else:
-                    self.metrics.dead_letters.labels(action.reason).inc()
-                    self.pipeline.failpoints.hit("after_dead_letter_before_term")
-                    await msg.term()
-                    return action
-            if isinstance(action, Nak):
+                action = await self._dead_letter(msg, delivery, processed, action)
+            elif isinstance(action, Requeue):
+                action = await self._requeue(msg, delivery)
+            if isinstance(action, DeadLetter):
+                self.pipeline.failpoints.hit("after_dead_letter_before_term")
+                await msg.term()
+            elif isinstance(action, Nak):
                 await msg.nak(delay=action.delay_s)
             else:
                 self.pipeline.failpoints.hit("after_commit_before_ack")
@@ -189,6 +172,42 @@ class Consumer:
             # the connection is down: JetStream redelivers after AckWait; the ledger decides
             log.warning("consumer.settle_failed", error=repr(error))
         return action
+
+    async def _dead_letter(
+        self, msg: Msg, delivery: Delivery, processed: Processed, action: DeadLetter
+    ) -> Action:
+        """Write the dead letter; if that fails, nak: a message is never dropped."""
+        if processed.claim is not None and action.reason == "max_deliveries":
+            with contextlib.suppress(ChargeWorkerError):
+                await self.ledger.give_up(processed.claim, "dead-lettered: max_deliveries")
+        try:
+            await self.dead_letters.write(
+                msg.data,
+                reason=action.reason,
+                error=processed.result.error or action.reason,
+                stream_seq=delivery.stream_seq,
+                num_delivered=delivery.num_delivered,
+                original=msg.headers,
+            )
+        except ChargeWorkerError as error:
+            log.error("dlq.write_failed", error=str(error))
+            return Nak(self.settings.nats.ack_wait_s)
+        self.metrics.dead_letters.labels(action.reason).inc()
+        return action
+
+    async def _requeue(self, msg: Msg, delivery: Delivery) -> Action:
+        """Publish a fresh copy (its deliveries unspent), then the original may be acked."""
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
+        headers["Nats-Msg-Id"] = f"requeue:{delivery.stream_seq}"
+        headers["Charge-Requeued-From"] = str(delivery.stream_seq)
+        try:
+            await self.js.publish(self.settings.nats.subject, msg.data, headers=headers, timeout=5)
+        except (nats.errors.Error, TimeoutError) as error:
+            # out of deliveries either way: the advisory and reconcile pick the charge up
+            log.error("consumer.requeue_failed", error=repr(error))
+            return Nak(self.settings.nats.ack_wait_s)
+        self.metrics.requeues.inc()
+        return Requeue()
 
     def _account(
         self, delivery: Delivery, processed: Processed, action: Action, seconds: float

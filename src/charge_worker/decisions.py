@@ -5,11 +5,19 @@
 | charged, declined, blocked, duplicate     | ack                                      |
 | poison, conflict, rejected                | dead letter with that reason, then term  |
 | any retryable outcome, deliveries left    | nak with delay (its own, else backoff)   |
-| any retryable outcome, last delivery      | dead letter `max_deliveries`, then term  |
+| crashed, last delivery                    | dead letter `max_deliveries`, then term  |
+| any other retryable outcome, last delivery| requeue: publish a fresh copy, then ack  |
 
 The delay of a retryable outcome is the one it carries (the gateway's `Retry-After`, the
 time left on another worker's lease), or else the consumer's backoff step for this delivery,
 so a nak waits as long as an ack timeout would have.
+
+Why requeue: a gateway that rate-limits, is down, or has not answered is no fault of the
+message, and every nak spends a delivery. Dead-lettering a valid due charge for that would
+turn an outage into lost revenue that needs a human. So such a message goes round again
+as a fresh copy (the ledger row stays pending; the claim still allows one charge), at the
+pace of the backoff steps. Only a message whose processing keeps crashing, or whose worker
+keeps dying, runs out of deliveries into the dead-letter stream.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class Outcome(StrEnum):
     RATE_LIMITED = "rate_limited"
     LEASE_HELD = "lease_held"
     UNAVAILABLE = "unavailable"
+    CRASHED = "crashed"  # an unexpected error while processing: a bug, not the world
 
 
 FINAL = frozenset({Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE})
@@ -65,7 +74,12 @@ class DeadLetter:
     reason: str  # poison | conflict | rejected | max_deliveries
 
 
-Action = Ack | Nak | DeadLetter
+@dataclass(frozen=True)
+class Requeue:
+    pass
+
+
+Action = Ack | Nak | DeadLetter | Requeue
 
 _BY_ERROR: list[tuple[type[errors.ChargeWorkerError], Outcome]] = [
     (errors.PoisonMessage, Outcome.POISON),
@@ -110,7 +124,7 @@ def decide(
     if result.outcome in PERMANENT:
         return DeadLetter(result.outcome.value)
     if delivery >= max_deliver:
-        return DeadLetter("max_deliveries")
+        return DeadLetter("max_deliveries") if result.outcome is Outcome.CRASHED else Requeue()
     if result.retry_after_s is not None:
         return Nak(max(result.retry_after_s, 0.0))
     return Nak(backoff_delay(delivery, backoff_s, ack_wait_s))

@@ -46,6 +46,11 @@ class Metrics:
             f"{PREFIX}_dead_letters", "Dead letters written, by reason.", ["reason"],
             registry=registry,
         )  # fmt: skip
+        self.requeues = Counter(
+            f"{PREFIX}_requeues",
+            "Messages out of deliveries for a dependency's fault, republished as a fresh copy.",
+            registry=registry,
+        )
         self.heartbeats = Counter(
             f"{PREFIX}_heartbeats", "In-progress acks (+WPI) sent.", registry=registry
         )

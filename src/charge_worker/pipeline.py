@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import structlog
+
 from charge_worker.decisions import Outcome, Result, result_of
 from charge_worker.errors import (
     ChargeWorkerError,
@@ -24,6 +26,8 @@ from charge_worker.ledger import Claim, Ledger, Scoring
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.metrics import Metrics
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
+
+log = structlog.get_logger("charge_worker.pipeline")
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,10 @@ class Delivery:
 @dataclass
 class Processed:
     result: Result
+    traceparent: str | None = None
     charge: ChargeDue | None = None
     claim: Claim | None = None
+    gateway_called: bool = False
 
 
 class Pipeline:
@@ -62,28 +68,35 @@ class Pipeline:
         self.failpoints = failpoints or Failpoints()
 
     async def process(self, delivery: Delivery) -> Processed:
-        """Run one delivery to a result; domain errors become results, nothing escapes."""
-        done = Processed(Result(Outcome.UNAVAILABLE))
+        """Run one delivery to a result. Nothing escapes: errors become results."""
+        done = Processed(Result(Outcome.UNAVAILABLE), delivery.traceparent)
         try:
             done.charge = parse(delivery.data)
             done.claim = await self.ledger.claim(done.charge, self.owner, delivery.stream_seq)
             self.failpoints.hit("after_claim")
-            done.result = await self._charge(done.charge, done.claim, delivery.traceparent)
+            done.result = await self._charge(done)
         except ChargeWorkerError as error:
             done.result = result_of(error)
-            if done.claim is not None and isinstance(error, TransientError):
-                await self._retry_later(done.claim, error)
+            if isinstance(error, TransientError):
+                await self._retry_later(done, str(error), isinstance(error, OutcomeUnknown))
+        except Exception as error:  # a bug must neither kill the loop nor go silent
+            log.exception("charge.crashed")
+            done.result = Result(Outcome.CRASHED, error=f"unexpected: {error!r}")
+            await self._retry_later(done, done.result.error or "", done.gateway_called)
         return done
 
-    async def _retry_later(self, claim: Claim, error: TransientError) -> None:
-        # an unknown outcome keeps the lease: the abandoned call may still be in flight
+    async def _retry_later(self, done: Processed, error: str, keep_lease: bool) -> None:
+        """Stay pending. Keep the lease only while a gateway call may still be in flight."""
+        if done.claim is None:
+            return
         # if the ledger is down too, the lease expires by itself and a redelivery takes over
         with contextlib.suppress(ChargeWorkerError):
-            await self.ledger.retry_later(
-                claim, str(error), keep_lease=isinstance(error, OutcomeUnknown)
-            )
+            await self.ledger.retry_later(done.claim, error, keep_lease=keep_lease)
 
-    async def _charge(self, charge: ChargeDue, claim: Claim, traceparent: str | None) -> Result:
+    async def _charge(self, done: Processed) -> Result:
+        charge, claim, traceparent = done.charge, done.claim, done.traceparent
+        assert charge is not None
+        assert claim is not None
         if claim.outcome_unknown and (found := await self._resolve_by_lookup(charge, claim)):
             return found
         scoring, deferred_reason = claim.scoring, None
@@ -109,6 +122,7 @@ class Pipeline:
         await self.ledger.begin_gateway_call(
             claim, scoring=scoring, deferred_reason=deferred_reason
         )
+        done.gateway_called = True
         return await self._call_gateway(charge, claim, scoring, traceparent)
 
     async def _call_gateway(

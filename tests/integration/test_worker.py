@@ -188,24 +188,47 @@ async def test_max_deliveries_dead_letters_with_the_original_payload(
     nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
     scoring_sim: ServedApp,
 ) -> None:  # fmt: skip
+    """Processing that crashes on every delivery ends in the DLQ, not in a loop."""
     settings = settings_for(
         nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        scoring_policy="hold", max_deliver=3, ack_wait_s=1.0, backoff_s=(1.0, 1.0),
-        heartbeat_s=0.3, scoring_timeout_s=0.5,
+        max_deliver=3, ack_wait_s=1.0, backoff_s=(1.0, 1.0), heartbeat_s=0.3,
+        failpoints="after_claim:raise",
     )  # fmt: skip
-    await set_sim(scoring_sim.url, error_rate=1.0)  # no verdict ever; policy hold waits
     body = due(14)
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, body)
-    async with running_worker(settings):
+    async with running_worker(settings) as worker:
         await eventually(lambda: _dlq_count(nc, settings, 1), "dead-lettered after 3 deliveries")
+        assert worker.metric("charge_worker_messages_total", outcome="crashed", action="nak") == 2
     dead = await js.get_msg(settings.nats.dlq_stream, 1)
     headers = dead.headers or {}
     assert dead.data == body
     assert headers["Dlq-Reason"] == "max_deliveries"
     assert headers["Dlq-Num-Delivered"] == "3"
+    assert "after_claim" in headers["Dlq-Error"]
     assert await statuses(database_url) == {14: "failed"}  # never sent to the gateway
     assert await gateway_charges(gateway_sim.url) == {}
+
+
+async def test_a_dependency_outage_past_max_deliver_requeues_instead_of_dead_lettering(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
+        scoring_policy="hold", max_deliver=2, ack_wait_s=1.0, backoff_s=(1.0,),
+        heartbeat_s=0.3, scoring_timeout_s=0.5, scoring_breaker_failures=100,
+    )  # fmt: skip
+    await set_sim(scoring_sim.url, error_rate=1.0)  # no verdict; policy hold waits for one
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, due(17))
+    async with running_worker(settings) as worker:
+        await eventually(lambda: worker.metric("charge_worker_requeues_total") >= 2, "requeued")
+        await set_sim(scoring_sim.url, error_rate=0.0)
+        await eventually(settled(database_url, 1), "charged once scoring answers")
+        assert worker.metric("charge_worker_dead_letters_total", reason="max_deliveries") == 0
+    assert await statuses(database_url) == {17: "succeeded"}
+    assert await gateway_charges(gateway_sim.url) == {"17:2026-12-01": 1}
 
 
 async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review(

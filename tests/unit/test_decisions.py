@@ -11,6 +11,7 @@ from charge_worker.decisions import (
     DeadLetter,
     Nak,
     Outcome,
+    Requeue,
     Result,
     backoff_delay,
     decide,
@@ -71,14 +72,24 @@ def test_retryable_prefers_its_own_delay(outcome: Outcome) -> None:
 
 
 @pytest.mark.parametrize("outcome", RETRYABLE)
-def test_last_delivery_dead_letters_max_deliveries(outcome: Outcome) -> None:
-    assert act(Result(outcome, retry_after_s=1.0), MAX_DELIVER) == DeadLetter("max_deliveries")
-    assert act(Result(outcome), MAX_DELIVER + 3) == DeadLetter("max_deliveries")
+def test_last_delivery_of_a_dependency_problem_requeues(outcome: Outcome) -> None:
+    assert act(Result(outcome, retry_after_s=1.0), MAX_DELIVER) == Requeue()
+    assert act(Result(outcome), MAX_DELIVER + 3) == Requeue()
+
+
+@pytest.mark.parametrize("delivery", range(1, MAX_DELIVER))
+def test_crash_naks_until_the_last_delivery(delivery: int) -> None:
+    assert act(Result(Outcome.CRASHED), delivery) == Nak(BACKOFF[delivery - 1])
+
+
+def test_crash_on_the_last_delivery_dead_letters_max_deliveries() -> None:
+    assert act(Result(Outcome.CRASHED), MAX_DELIVER) == DeadLetter("max_deliveries")
 
 
 def test_every_outcome_is_covered_by_a_table_above() -> None:
     covered = {Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE}
-    covered |= {Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED} | set(RETRYABLE)
+    covered |= {Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED, Outcome.CRASHED}
+    covered |= set(RETRYABLE)
     assert covered == set(Outcome)
 
 

@@ -159,6 +159,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             "by_status": dict(self.by_status),
             "injected_errors": self.injected_errors,
             "lost_answers": self.lost_answers,
+            "in_flight": self.keys.in_flight(),
             "charges": len(self.book.charges),
             "refunds": len(self.book.refunds),
         }

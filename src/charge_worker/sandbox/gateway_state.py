@@ -133,6 +133,10 @@ class IdempotencyKeys:
         if record is not None and record.response is None:
             del self._records[key]
 
+    def in_flight(self) -> int:
+        """Keys whose request is still executing."""
+        return sum(1 for record in self._records.values() if record.response is None)
+
     def _forget_expired(self, now: float) -> None:
         # A key still executing is kept: forgetting it would let a retry charge twice.
         expired = [
