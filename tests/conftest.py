@@ -22,6 +22,9 @@ from nats.aio.client import Client
 from charge_worker import streams
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
+from charge_worker.sandbox.gateway import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app
+from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import DbSettings, NatsSettings
 
 TEMPLATE_DB = "charge_worker_template"
@@ -117,3 +120,17 @@ async def nc(nats_settings: NatsSettings) -> AsyncIterator[Client]:
         with contextlib.suppress(nats.js.errors.NotFoundError):  # maybe never created
             await js.delete_stream(name)
     await client.close()
+
+
+@pytest.fixture
+def gateway_sim() -> Iterator[ServedApp]:
+    """The gateway simulator over real HTTP, fresh for each test."""
+    with ServedApp(build_gateway_app(GatewayConfig(seed=1))) as served:
+        yield served
+
+
+@pytest.fixture
+def scoring_sim() -> Iterator[ServedApp]:
+    """The scoring simulator over real HTTP (fast by default), fresh for each test."""
+    with ServedApp(build_scoring_app(ScoringConfig(seed=1))) as served:
+        yield served

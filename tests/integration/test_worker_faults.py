@@ -48,7 +48,7 @@ def each_once(count: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("mode", ["5xx", "timeout"])
-async def test_lost_answer_after_the_charge_resolves_to_one_charge(  # noqa: PLR0917
+async def test_lost_answer_after_the_charge_resolves_to_one_charge(
     nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
     scoring_sim: ServedApp, mode: str,
 ) -> None:  # fmt: skip

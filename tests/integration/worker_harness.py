@@ -30,6 +30,7 @@ from charge_worker.settings import (
     ScoringSettings,
     Settings,
     WorkerSettings,
+    env_name,
 )
 
 PERIOD = dt.date(2026, 12, 1)
@@ -163,3 +164,20 @@ async def running_worker(settings: Settings) -> AsyncIterator[RunningWorker]:
     finally:
         stop.set()
         await asyncio.wait_for(task, WAIT_S)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes `charge-worker run` load exactly these settings."""
+    env: dict[str, str] = {}
+    for name in Settings.model_fields:
+        group = getattr(settings, name)
+        for field in type(group).model_fields:
+            value = getattr(group, field)
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, tuple):
+                value = ",".join(str(step) for step in value)
+            env[env_name(type(group), field)] = str(value)
+    return env
