@@ -1,9 +1,13 @@
 """`charge-worker demo`: the whole stack on one machine, and a printed account of it.
 
 Starts (unless NATS_URL / DATABASE_URL point elsewhere) an embedded nats-server and
-PostgreSQL on free loopback ports, the gateway and scoring simulators, migrates, provisions,
-publishes sample due charges (among them a duplicate publish and a poison message) and shows
-the stream and consumer state.
+PostgreSQL on free loopback ports, the gateway simulator and the scoring simulator with the
+incident's latency shape (a 6-8 s tail, longer than the demo's 5 s AckWait), migrates,
+provisions, publishes sample due charges with every kind of trouble (`demo_samples.py`),
+runs two `charge-worker run` processes (`demo_workers.py`) until every charge is final and
+nothing is left unacked (`demo_progress.py`), stops them with SIGTERM and prints what
+happened (`demo_report.py`): charges per key at the gateway, the ledger, the dead letters,
+the workers' metrics. Raises `DemoFailed` (exit 1) when an expectation broke.
 """
 
 from __future__ import annotations
@@ -11,30 +15,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import os
-from collections.abc import Iterator
+import secrets
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import asyncpg
 import click
-from nats.aio.client import Client
+import httpx
+import nats.errors
+from nats.js import JetStreamContext
 
 from charge_worker import streams
-from charge_worker.messages import ChargeDue
 from charge_worker.migrate import migrate
+from charge_worker.sandbox import demo_report as report
+from charge_worker.sandbox.demo_progress import await_settled, scrape_when_counted
+from charge_worker.sandbox.demo_samples import Published, publish_samples
+from charge_worker.sandbox.demo_workers import (
+    WORKERS,
+    DemoFailed,
+    Samples,
+    WorkerProcess,
+    demo_settings,
+    describe,
+)
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
 from charge_worker.sandbox.gateway import build_gateway_app
-from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app
+from charge_worker.sandbox.scoring import INCIDENT_LATENCY, ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import NatsSettings
+from charge_worker.settings import NatsSettings, Settings
 
-PERIOD = dt.date(2026, 12, 1)
-SAMPLES = [  # (order_id, customer, amount_minor, currency)
-    (1001, "cus_alice", 99000, "RUB"),
-    (1002, "cus_bob", 4999, "EUR"),
-    (1003, "cus_decline_carol", 1500, "USD"),  # the gateway declines cus_decline*
-    (1004, "cus_block_mallory", 250000, "RUB"),  # scoring blocks cus_block*
-    (1005, "cus_dave", 120000, "RUB"),
-]
+SETTLE_TIMEOUT_S = 120.0
+PAUSE_S = 60  # a paused consumer resumes by itself after this, should the demo die
+# The incident's shape, with the 6-8 s tail on 20 % of calls instead of 2 %: out of ~25
+# calls the incident's own share would show no slow call in most runs.
+SLOW_FRACTION = 0.2
+SCORING_SHAPE = f"p50 30 ms, p99 1.2 s, {SLOW_FRACTION:.0%} of calls at 6-8 s"
 
 
 def _step(text: str) -> None:
@@ -52,82 +69,170 @@ def _server(env_name: str, server: NatsServer | PostgresServer) -> Iterator[str]
         yield server.url
 
 
-def _sample(order_id: int, customer: str, amount: int, currency: str) -> ChargeDue:
-    return ChargeDue.model_validate(
-        {
-            "schema": "charge.due/v1",
-            "order_id": order_id,
-            "billing_period": PERIOD,
-            "subscription_id": f"sub_{order_id}",
-            "customer_id": customer,
-            "amount_minor": amount,
-            "currency": currency,
-            "due_at": dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
-        },
-        strict=False,
-    )
+def _scoring_config() -> ScoringConfig:
+    latency = INCIDENT_LATENCY.model_copy(update={"slow_fraction": SLOW_FRACTION})
+    return ScoringConfig.incident().model_copy(update={"latency": latency})
 
 
-async def _publish_samples(nc: Client, cfg: NatsSettings) -> None:
-    js = nc.jetstream()
-    charges = [_sample(*row) for row in SAMPLES]
-    for charge in charges:
-        ack = await js.publish(
-            cfg.subject, charge.to_json(), headers={"Nats-Msg-Id": charge.msg_id}
-        )
-        click.echo(f"    published {charge.key:<18} seq={ack.seq}")
-    again = charges[0]
-    ack = await js.publish(cfg.subject, again.to_json(), headers={"Nats-Msg-Id": again.msg_id})
-    click.echo(f"    re-published {again.key} with the same Nats-Msg-Id: duplicate={ack.duplicate}")
-    ack = await js.publish(cfg.subject, json.dumps({"schema": "charge.due/v1"}).encode())
-    click.echo(f"    published a poison message (missing fields) seq={ack.seq}")
-
-
-async def _show_state(nc: Client, cfg: NatsSettings) -> None:
-    js = nc.jetstream()
+async def _show_state(js: JetStreamContext, cfg: NatsSettings) -> None:
     stream = await js.stream_info(cfg.stream)
     consumer = await js.consumer_info(cfg.stream, cfg.durable)
-    dlq = await js.stream_info(cfg.dlq_stream)
-    click.echo(f"    stream {cfg.stream}: {stream.state.messages} messages")
     click.echo(
-        f"    consumer {cfg.durable}: {consumer.num_pending} pending, "
-        f"{consumer.num_ack_pending} awaiting ack, {consumer.num_redelivered} redelivered"
+        f"    stream {cfg.stream}: {stream.state.messages} messages; consumer {cfg.durable}: "
+        f"{consumer.num_pending} to deliver, {consumer.num_ack_pending} awaiting ack"
     )
-    click.echo(f"    dead-letter stream {cfg.dlq_stream}: {dlq.state.messages} messages")
 
 
-async def _story(nats_url: str, database_url: str) -> None:
-    cfg = NatsSettings(url=nats_url)
+async def _start_workers(
+    js: JetStreamContext, cfg: NatsSettings, workers: list[WorkerProcess], http: httpx.AsyncClient
+) -> None:
+    """Start every worker with the consumer paused, so that they share the backlog."""
+    until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=PAUSE_S)
+    try:
+        await js.pause_consumer(cfg.stream, cfg.durable, until.isoformat().replace("+00:00", "Z"))
+    except nats.errors.Error as error:  # servers before 2.11 cannot pause
+        click.echo(f"    (consumer not paused: {error}; the first worker up starts alone)")
+        paused = False
+    else:
+        click.echo(f"    consumer {cfg.durable} paused until every worker is up")
+        paused = True
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        await worker.wait_ready(http)
+        click.echo(f"    {worker.name} ready: /metrics on {worker.url}, log {worker.log_path}")
+    if paused:
+        await js.resume_consumer(cfg.stream, cfg.durable)
+        click.echo(f"    consumer {cfg.durable} resumed")
+
+
+async def _stop_workers(
+    workers: list[WorkerProcess], samples: list[Samples], settings: Settings
+) -> list[report.WorkerResult]:
+    codes = [await worker.stop(settings.worker.drain_s + 10) for worker in workers]
+    ack_wait_s = settings.nats.ack_wait_s
+    return [
+        report.WorkerResult(w.name, s, report.read_log(w.log_path, ack_wait_s), w.log_path, code)
+        for w, s, code in zip(workers, samples, codes, strict=True)
+    ]
+
+
+async def _collect(
+    js: JetStreamContext,
+    conn: asyncpg.Connection,
+    http: httpx.AsyncClient,
+    *,
+    settings: Settings,
+    published: Published,
+    all_final: bool,
+    workers: list[report.WorkerResult],
+) -> report.Story:
+    """Read every witness, once the workers have stopped."""
+    gateway, scoring = settings.gateway.url, settings.scoring.url
+    return report.Story(
+        published=published,
+        all_final=all_final,
+        rows=await report.ledger_rows(conn, published.period, published.order_ids),
+        gateway_charges=(await report.sim_json(http, f"{gateway}/_sim/charges"))["data"],
+        gateway_stats=await report.sim_json(http, f"{gateway}/_sim/stats"),
+        scoring_stats=await report.sim_json(http, f"{scoring}/_sim/stats"),
+        scoring_shape=SCORING_SHAPE,
+        dead_letters=await report.read_dead_letters(js, settings.nats.dlq_stream),
+        dlq_stream=settings.nats.dlq_stream,
+        workers=workers,
+        ack_wait_s=settings.nats.ack_wait_s,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _killed_on_exit(workers: list[WorkerProcess]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        for worker in workers:
+            worker.kill()  # only those still running, after a failure half-way
+
+
+async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]:
+    """The demo after the servers are up; returns the broken expectations."""
+    cfg, database_url = settings.nats, settings.db.url
+    assert database_url is not None
+    click.echo(f"    settings: {describe(settings)}")
     _step("migrating the ledger")
     for migration in await migrate(database_url):
         click.echo(f"    applied {migration.path.name}")
-    nc = await streams.connect(cfg, name="charge-worker-demo")
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await streams.connect(cfg, name="charge-worker-demo")
+        stack.push_async_callback(nc.close)
+        js = nc.jetstream()
         _step("provisioning streams and the durable consumer")
-        report = await streams.provision(nc.jetstream(), cfg)
-        for line in report.created or ["(all present already)"]:
+        provisioned = await streams.provision(js, cfg)
+        for line in provisioned.created or ["(all present already)"]:
             click.echo(f"    {line}")
         _step("publishing sample due charges")
-        await _publish_samples(nc, cfg)
-        _step("stream state (the worker that settles these comes next)")
-        await _show_state(nc, cfg)
-    finally:
-        await nc.close()
+        # on a database of your own, order ids of their own
+        order_base = 10**9 + secrets.randbelow(10**9) * 100 if external else 1001
+        published = await publish_samples(js, cfg.subject, order_base)
+        await _show_state(js, cfg)
+
+        _step(f"starting {WORKERS} workers: charge-worker run")
+        log_dir = Path(tempfile.mkdtemp(prefix="charge-worker-demo-"))
+        workers = [WorkerProcess(f"worker-{n}", settings, log_dir) for n in range(1, WORKERS + 1)]
+        await stack.enter_async_context(_killed_on_exit(workers))
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=5.0))
+        await _start_workers(js, cfg, workers, http)
+
+        _step(
+            f"waiting until every charge is final and none unacked (at most {SETTLE_TIMEOUT_S:g} s)"
+        )
+        conn = await asyncpg.connect(database_url)
+        stack.push_async_callback(conn.close)
+        all_final = await await_settled(
+            js, conn, cfg, published, workers, timeout_s=SETTLE_TIMEOUT_S
+        )
+        samples = await scrape_when_counted(js, cfg, workers, http)
+        _step("stopping the workers with SIGTERM: they drain and exit")
+        results = await _stop_workers(workers, samples, settings)
+
+        _step("summary")
+        story = await _collect(
+            js, conn, http, settings=settings, published=published, all_final=all_final,
+            workers=results,
+        )  # fmt: skip
+        problems = report.print_summary(story)
+        if external and not keep:  # the streams are this run's own: leave no litter behind
+            for name in (cfg.stream, cfg.dlq_stream):
+                await js.delete_stream(name)
+            click.echo(f"    removed this run's streams {cfg.stream} and {cfg.dlq_stream}")
+        return problems
 
 
 def run_demo(*, keep: bool = False) -> None:
-    """Run the demo from start to end, printing each step."""
+    """Run the demo from start to end, printing each step; `DemoFailed` if something broke."""
     _step("starting NATS JetStream, PostgreSQL and the simulators")
+    external = bool(os.environ.get("NATS_URL") or os.environ.get("DATABASE_URL"))
     with (
         _server("NATS_URL", NatsServer()) as nats_url,
         _server("DATABASE_URL", PostgresServer()) as database_url,
         ServedApp(build_gateway_app()) as gateway,
-        ServedApp(build_scoring_app(ScoringConfig.incident())) as scoring,
+        ServedApp(build_scoring_app(_scoring_config())) as scoring,
     ):
         click.echo(f"    gateway simulator on {gateway.url}, scoring simulator on {scoring.url}")
-        asyncio.run(_story(nats_url, database_url))
+        click.echo(f"    scoring latency: the incident's shape, {SCORING_SHAPE}")
+        settings = demo_settings(
+            nats_url, database_url, gateway.url, scoring.url, external=external
+        )
+        problems = asyncio.run(_story(settings, external=external, keep=keep))
+        if problems:
+            click.secho(f"==> the demo found problems: {'; '.join(problems)}", fg="red", bold=True)
+        else:
+            click.secho("==> every expectation held", fg="green", bold=True)
         if keep:
-            click.echo("servers keep running; press Ctrl-C to stop")
+            click.echo(f"servers keep running: NATS {nats_url}, PostgreSQL {database_url},")
+            click.echo(f"gateway {gateway.url}, scoring {scoring.url}; press Ctrl-C to stop")
             with contextlib.suppress(KeyboardInterrupt):
                 asyncio.run(asyncio.Event().wait())
-    _step("done; embedded servers stopped and their data removed")
+    embedded = not (os.environ.get("NATS_URL") and os.environ.get("DATABASE_URL"))
+    _step("done; embedded servers stopped and their data removed" if embedded else "done")
+    if problems:
+        raise DemoFailed("; ".join(problems))
