@@ -223,6 +223,8 @@ class Consumer:
         charge = processed.charge
         log.info(
             "charge.settled",
+            stream_seq=delivery.stream_seq,
+            delivery=delivery.num_delivered,
             order_id=charge.order_id if charge else None,
             billing_period=charge.billing_period.isoformat() if charge else None,
             outcome=outcome.value,

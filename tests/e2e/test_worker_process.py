@@ -14,6 +14,7 @@ import httpx
 import pytest
 from nats.aio.client import Client
 
+from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from tests.integration.worker_harness import (
@@ -123,9 +124,15 @@ async def test_sigterm_finishes_in_flight_work_and_exits_0(
     js = await provisioned(nc, settings)
     for n in (31, 32, 33):
         await publish(js, settings.nats.subject, due(n))
-    worker = WorkerProcess(settings, tmp_path / "worker.log")
+    port = free_port()
+    worker = WorkerProcess(settings, tmp_path / "worker.log", CHARGE_WORKER_METRICS_PORT=str(port))
     spawn.append(worker)
     await eventually(lambda: _in_flight(gateway_sim.url), "charges in flight at the gateway")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/readyz")).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert "charge_worker_in_flight 3.0" in metrics
     worker.proc.send_signal(signal.SIGTERM)
     assert await worker.exited() == 0
     for n in (31, 32, 33):

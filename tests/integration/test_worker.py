@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 import pytest
+import structlog
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
@@ -55,6 +57,27 @@ async def test_charges_declines_and_blocks(
     nc: Client, settings: Settings, database_url: str, gateway_sim: ServedApp
 ) -> None:
     js = await provisioned(nc, settings)
+    with structlog.testing.capture_logs() as logs:
+        await _charge_decline_block(js, settings, database_url)
+    settled_lines = [line for line in logs if line["event"] == "charge.settled"]
+    assert sorted(
+        (line["order_id"], line["outcome"], line["action"]) for line in settled_lines
+    ) == [
+        (1, "charged", "ack"),
+        (2, "declined", "ack"),
+        (3, "blocked", "ack"),
+    ]
+    for line in settled_lines:  # one canonical line per message, with its context bound
+        assert line["billing_period"] == "2026-12-01"
+        assert line["delivery"] == 1
+        assert {"stream_seq", "duration_s", "trace_id"} <= line.keys()
+    assert await statuses(database_url) == {1: "succeeded", 2: "declined", 3: "blocked"}
+    assert await gateway_charges(gateway_sim.url) == {"1:2026-12-01": 1}
+
+
+async def _charge_decline_block(
+    js: JetStreamContext, settings: Settings, database_url: str
+) -> None:
     async with running_worker(settings) as worker:
         await publish(js, settings.nats.subject, due(1))
         await publish(js, settings.nats.subject, due(2, customer="cus_decline_x"))
@@ -66,8 +89,6 @@ async def test_charges_declines_and_blocks(
             ),
             "the last ack counted",
         )
-    assert await statuses(database_url) == {1: "succeeded", 2: "declined", 3: "blocked"}
-    assert await gateway_charges(gateway_sim.url) == {"1:2026-12-01": 1}
 
 
 async def test_one_message_delivered_three_times_charges_once(
