@@ -7,6 +7,10 @@ decorators keep `mypy --strict` honest and nested groups (`dlq list`) are native
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import shutil
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +22,7 @@ from charge_worker.errors import ChargeWorkerError
 from charge_worker.settings import Settings, load_settings
 
 T = TypeVar("T")
+REPLAY_PROGRESS_FROM = 20  # dead letters; fewer replay too fast for a bar to help
 
 
 class _Group(click.Group):
@@ -83,7 +88,7 @@ def provision(apply: bool) -> None:
     settings = _settings()
 
     async def go() -> bool:
-        nc = await streams.connect(settings.nats, name="charge-worker-provision")
+        nc = await streams.connect(settings.nats, name="charge-worker-provision", reconnect=False)
         try:
             report = await streams.provision(nc.jetstream(), settings.nats, apply=apply)
         finally:
@@ -120,6 +125,140 @@ def run() -> None:
             await run_worker(settings, stop)
 
     _run(go())
+
+
+@main.group()
+def dlq() -> None:
+    """Inspect and replay the dead letters kept in the dead-letter stream (CHARGES_DLQ).
+
+    A dead letter is a charges.due message the worker gave up on, stored byte for byte with
+    Dlq-* headers saying why (contracts/charge-due.md). SEQ is its sequence in the
+    dead-letter stream, as `dlq list` shows it.
+    """
+
+
+_REASON_HELP = (
+    "Only dead letters with this Dlq-Reason (poison, max_deliveries, rejected, conflict)."
+)
+
+
+@dlq.command("list")
+@click.option("--reason", help=_REASON_HELP)
+@click.option(
+    "--limit",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Show at most this many, oldest first.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object per line; errors not cut to fit."
+)
+def dlq_list(reason: str | None, limit: int, as_json: bool) -> None:
+    """List dead letters, oldest first, one line each.
+
+    Columns: DLQ sequence, Dlq-Dead-At, Dlq-Reason, the original stream sequence, deliveries,
+    order_id and billing_period when the body is JSON with them (else -), and Dlq-Error cut
+    to the terminal's width.
+    """
+    from charge_worker.dlq import DeadLetterPage, opened, table  # noqa: PLC0415
+
+    settings = _settings()
+
+    async def go() -> DeadLetterPage:
+        async with opened(settings.nats) as dead_letters:
+            return await dead_letters.summaries(reason=reason, limit=limit)
+
+    page = _run(go())
+    if not page.items:
+        # stderr under --json, so that stdout stays valid JSON lines (none)
+        click.echo("no dead letters" + (f" with reason {reason}" if reason else ""), err=as_json)
+        return
+    if as_json:
+        lines = [json.dumps(dataclasses.asdict(row), ensure_ascii=False) for row in page.items]
+    else:
+        lines = table(page.items, width=shutil.get_terminal_size((200, 24)).columns)
+    for line in lines:
+        click.echo(line)
+    if page.more:
+        click.echo(f"more dead letters match than the {limit} shown (--limit)", err=True)
+
+
+@dlq.command("show")
+@click.argument("seq", type=click.IntRange(min=1))
+def dlq_show(seq: int) -> None:
+    """Print one dead letter: every header, a blank line, then the body.
+
+    The body is shown as indented JSON when it parses, else as the repr of its bytes; a
+    replay always sends the stored bytes, never this rendering. Exits 1 when SEQ is not in
+    the dead-letter stream.
+    """
+    from charge_worker.dlq import DeadLetter, opened  # noqa: PLC0415
+
+    settings = _settings()
+
+    async def go() -> DeadLetter | None:
+        async with opened(settings.nats) as dead_letters:
+            return await dead_letters.get(seq)
+
+    letter = _run(go())
+    if letter is None:
+        stream = settings.nats.dlq_stream
+        raise click.ClickException(f"no dead letter with sequence {seq} in {stream}")
+    for name, value in letter.headers.items():
+        click.echo(f"{name}: {value}")
+    click.echo()
+    click.echo(letter.pretty_body())
+
+
+@dlq.command("replay")
+@click.argument("seqs", nargs=-1, type=click.IntRange(min=1), metavar="[SEQ]...")
+@click.option("--all", "every", is_flag=True, help="Replay every dead letter (see --reason).")
+@click.option("--reason", help="With --all: " + _REASON_HELP[0].lower() + _REASON_HELP[1:])
+@click.option("--yes", "-y", is_flag=True, help="Do not ask; required when stdin is no terminal.")
+def dlq_replay(seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool) -> None:
+    """Republish dead letters' original bodies to charges.due.
+
+    Give DLQ sequences (see `dlq list`), or --all [--reason R]. Each body goes back byte for
+    byte with a fresh Nats-Msg-Id replay:<SEQ> (and its original traceparent), each publish
+    acked before the next. Replaying a dead letter again within the charges stream's
+    duplicate window is skipped as a duplicate. Prints replayed / duplicates / missing.
+
+    The dead letters are NOT deleted: they stay in the dead-letter stream for inspection
+    until they age out. Replaying never charges twice: the charge_attempts claim allows at
+    most one charge per (order_id, billing_period).
+    """
+    from charge_worker.dlq import ReplayReport, opened  # noqa: PLC0415
+
+    if bool(seqs) == every:
+        raise click.UsageError("give the dead letters' sequences or --all, not both")
+    if reason is not None and not every:
+        raise click.UsageError("--reason goes with --all")
+    if not yes and not (sys.stdin and sys.stdin.isatty()):  # None when fd 0 is closed
+        raise click.ClickException("stdin is not a terminal to confirm on; pass --yes to replay")
+    settings = _settings()
+    subject = settings.nats.subject
+
+    async def select() -> list[int]:
+        async with opened(settings.nats) as dead_letters:
+            return await dead_letters.seqs(reason)
+
+    chosen = _run(select()) if every else list(dict.fromkeys(seqs))
+    if not chosen:
+        click.echo("no dead letters to replay")
+        return
+    if not yes:  # outside the event loop: a slow answer must not stall the NATS connection
+        noun = "dead letter" if len(chosen) == 1 else "dead letters"
+        click.confirm(f"Replay {len(chosen)} {noun} to {subject}?", abort=True)
+
+    async def replay() -> ReplayReport:
+        async with opened(settings.nats) as dead_letters:
+            if len(chosen) < REPLAY_PROGRESS_FROM:
+                return await dead_letters.replay(chosen)
+            with click.progressbar(length=len(chosen), label="replaying", file=sys.stderr) as bar:
+                return await dead_letters.replay(chosen, on_each=lambda *_: bar.update(1))
+
+    click.echo(_run(replay()).summary())
 
 
 @main.group()

@@ -22,7 +22,7 @@ from charge_worker.errors import (
 )
 from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import Claim, Ledger, Scoring
+from charge_worker.ledger import Claim, Ledger
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.metrics import Metrics
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
@@ -123,10 +123,10 @@ class Pipeline:
             claim, scoring=scoring, deferred_reason=deferred_reason
         )
         done.gateway_called = True
-        return await self._call_gateway(charge, claim, scoring, traceparent)
+        return await self._call_gateway(charge, claim, traceparent)
 
     async def _call_gateway(
-        self, charge: ChargeDue, claim: Claim, scoring: Scoring, traceparent: str | None
+        self, charge: ChargeDue, claim: Claim, traceparent: str | None
     ) -> Result:
         self.failpoints.hit("before_gateway_call")
         try:

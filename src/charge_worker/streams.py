@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import nats
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -29,6 +30,8 @@ from charge_worker.errors import DependencyUnavailable, ProvisioningError
 from charge_worker.settings import NatsSettings, require
 
 DLQ_DUPLICATE_WINDOW_S = 86400.0
+CONNECT_TIMEOUT_S = 5.0
+log = structlog.get_logger("charge_worker.streams")
 # Fields JetStream refuses to change on an existing stream or consumer.
 _FIXED_STREAM_FIELDS = frozenset({"storage", "retention"})
 _FIXED_CONSUMER_FIELDS = frozenset({"ack_policy", "deliver_policy"})
@@ -185,16 +188,36 @@ async def provision(
     return report
 
 
-async def connect(cfg: NatsSettings, *, name: str) -> Client:
-    """Connect to NATS_URL, reconnecting forever once connected; fail fast if it is down now."""
+async def connect(cfg: NatsSettings, *, name: str, reconnect: bool = True) -> Client:
+    """Connect to NATS_URL, failing within seconds if it is down now.
+
+    With `reconnect`, a connection that is lost later is re-established forever (a
+    worker rides out a nats-server restart); without, an operator command just fails.
+    """
     url = require(cfg.url, "NATS_URL")
     try:
-        return await nats.connect(
+        nc = await nats.connect(
             url,
             name=name,
             user_credentials=str(cfg.nats_creds_file) if cfg.nats_creds_file else None,
-            connect_timeout=5,
-            max_reconnect_attempts=-1,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            allow_reconnect=reconnect,
+            # nats-py applies this to the first connect too, where -1 would retry forever
+            max_reconnect_attempts=1,
+            error_cb=_log_error if reconnect else _ignore_error,
         )
     except (OSError, TimeoutError, nats.errors.Error) as error:
-        raise DependencyUnavailable(f"cannot connect to NATS at {url}: {error!r}") from error
+        cause = str(error) or type(error).__name__
+        raise DependencyUnavailable(f"cannot connect to NATS at {url}: {cause}") from error
+    if reconnect:
+        nc.options["max_reconnect_attempts"] = -1  # from now on: forever
+    return nc
+
+
+async def _log_error(error: Exception) -> None:
+    """One line per connection error; nats-py's default logs a traceback for each."""
+    log.warning("nats.error", error=repr(error))
+
+
+async def _ignore_error(_error: Exception) -> None:
+    """A command's connection: its errors reach the command as exceptions."""

@@ -89,3 +89,10 @@ def test_provision_reports_drift_with_exit_3(nats_settings: NatsSettings) -> Non
     applied = run("provision", "--apply", env={**env, "CHARGE_WORKER_MAX_ACK_PENDING": "50"})
     assert applied.returncode == 0, applied.stderr
     assert f"updated consumer {stream}/charges-worker" in applied.stdout
+
+
+def test_unreachable_nats_is_one_line_within_seconds() -> None:
+    result = run("provision", env={"NATS_URL": f"nats://127.0.0.1:{free_port()}"})
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("Error: DependencyUnavailable: cannot connect to NATS")
