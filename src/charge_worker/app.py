@@ -108,6 +108,8 @@ async def run_worker(
     gateway = GatewayClient(settings.gateway)
     scoring = ScoringClient(settings.scoring)
     metrics = Metrics(registry or CollectorRegistry())
+    metrics.watch(gateway.breaker)
+    metrics.watch(scoring.breaker)
     ledger = Ledger(pool, lease_s=settings.worker.lease_s)
     dead_letters = DeadLetters(js, settings.nats)
     consumer = Consumer(

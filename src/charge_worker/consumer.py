@@ -101,7 +101,6 @@ class Consumer:
 
     async def _gateway_ready(self) -> bool:
         breaker = self.gateway.breaker
-        self.metrics.breaker_open.labels("gateway").set(breaker.current_state != "closed")
         if breaker.current_state == "closed":
             return True
         if (left := open_for_s(breaker)) > 0:

@@ -7,6 +7,7 @@ goes down, so `increase()` over it lies.
 
 from __future__ import annotations
 
+import pybreaker
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "charge_worker"
@@ -66,3 +67,22 @@ class Metrics:
             registry=registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )  # fmt: skip
+
+    def watch(self, breaker: pybreaker.CircuitBreaker) -> None:
+        """Keep `charge_worker_breaker_open{dependency=<breaker name>}` in step with it."""
+        gauge = self.breaker_open.labels(breaker.name or "unnamed")
+        gauge.set(0)
+        breaker.add_listener(_BreakerGauge(gauge))
+
+
+class _BreakerGauge(pybreaker.CircuitBreakerListener):
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
+
+    def state_change(
+        self,
+        cb: pybreaker.CircuitBreaker,
+        old_state: pybreaker.CircuitBreakerState | None,
+        new_state: pybreaker.CircuitBreakerState,
+    ) -> None:
+        self.gauge.set(new_state.name != pybreaker.STATE_CLOSED)

@@ -117,3 +117,11 @@ def test_no_backoff_means_ack_wait_alone() -> None:
 def test_heartbeat_follows_the_shortest_backoff_step() -> None:
     settings = Settings.model_validate({"nats": {"ack_wait_s": 30, "backoff_s": (30, 60, 9)}})
     assert settings.heartbeat_s == 3
+
+
+def test_the_example_env_file_is_valid() -> None:
+    example = Path(__file__).parents[2] / "config" / "example.env"
+    Path(".env").write_text(example.read_text())
+    settings = load_settings()
+    assert settings.nats.url == "nats://nats.example.internal:4222"
+    assert settings.gateway.api_key is None  # never in a file we ship
