@@ -1,0 +1,69 @@
+"""The append-only story of each charge (`charge_events`), read back by `explain`.
+
+Kinds, and who writes them:
+
+| kind           | actor      | detail                                                        |
+|----------------|------------|---------------------------------------------------------------|
+| `scheduled`    | producer   | subscription, amount, currency                                |
+| `published`    | producer   | stream seq, msg id, duplicate                                 |
+| `gateway_call` | worker     | attempt, call number (written with the call's ledger update)  |
+| `delivery`     | worker     | stream seq, delivery, attempt, taken over from, scoring,       |
+|                |            | lookup, gateway answer, outcome, action, delay, error         |
+| `republished`  | reconcile  | why, stream seq                                               |
+| `resolved`     | reconcile  | what a lookup found for an unknown outcome                    |
+| `refund`       | reconcile  | charge id, refund id, reason                                  |
+| `discrepancy`  | reconcile  | what disagrees                                                |
+
+Writing an event never decides anything: a failure to write one is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+_INSERT = """
+INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
+VALUES ($1, $2, $3, $4, $5::jsonb)
+"""
+
+_STORY = """
+SELECT at, kind, actor, detail FROM charge_events
+ WHERE order_id = $1 AND billing_period = $2 ORDER BY id
+"""
+
+
+@dataclass(frozen=True)
+class Event:
+    at: dt.datetime
+    kind: str
+    actor: str
+    detail: dict[str, Any]
+
+
+def _json(detail: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in detail.items() if v is not None}, default=str)
+
+
+async def record(
+    conn: asyncpg.Pool | asyncpg.Connection,
+    order_id: int,
+    billing_period: dt.date,
+    kind: str,
+    actor: str,
+    **detail: Any,
+) -> None:
+    """Append one event; `None` values are left out of the detail."""
+    await conn.execute(_INSERT, order_id, billing_period, kind, actor, _json(detail))
+
+
+async def story(
+    conn: asyncpg.Pool | asyncpg.Connection, order_id: int, billing_period: dt.date
+) -> list[Event]:
+    """Every event of one charge, oldest first."""
+    rows = await conn.fetch(_STORY, order_id, billing_period)
+    return [Event(r["at"], r["kind"], r["actor"], json.loads(r["detail"])) for r in rows]
