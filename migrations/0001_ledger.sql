@@ -26,7 +26,6 @@ CREATE TABLE charge_attempts (
     lease_until       timestamptz,
     -- the fence: bumped on every lease; a write names the attempt it belongs to
     attempt           integer     NOT NULL DEFAULT 0 CHECK (attempt >= 0),
-    deliveries        integer     NOT NULL DEFAULT 0 CHECK (deliveries >= 0),
     last_stream_seq   bigint,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now(),

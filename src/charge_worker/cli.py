@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import json
 import shutil
 import sys
@@ -125,6 +126,97 @@ def run() -> None:
             await run_worker(settings, stop)
 
     _run(go())
+
+
+@main.command()
+@click.option(
+    "--date",
+    "due_date",
+    type=click.DateTime(formats=["%Y-%m-%d"]),
+    help="Publish what is due on or before this day (default: today, UTC).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def produce(due_date: dt.datetime | None, as_json: bool) -> None:
+    """Publish every subscription whose billing day has come to charges.due (a daily CronJob).
+
+    Each due charge is first recorded as a `scheduled` row, then published with
+    Nats-Msg-Id charge:<order_id>:<billing_period>. Safe to run twice, or twice at once.
+    Subscription rows that break the contract are reported and skipped. Exits 1 if any
+    charge could not be published (re-run: nothing is published twice that matters).
+    """
+    from charge_worker.producer import produce_command  # noqa: PLC0415
+
+    day = (due_date or dt.datetime.now(dt.UTC)).date()
+    raise SystemExit(_run(produce_command(_settings(), day, as_json=as_json)))
+
+
+@main.command()
+@click.option(
+    "--since",
+    type=click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S"]),
+    help="Page gateway history from here (default: CHARGE_WORKER_RECONCILE_WINDOW_S ago).",
+)
+@click.option("--dry-run", is_flag=True, help="Report only: no refund, no re-publish, no write.")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option(
+    "--fail-on-discrepancy", is_flag=True, help="Exit 4 when ledger and gateway disagree."
+)
+@click.option(
+    "--metrics-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the run's figures in Prometheus text format (node-exporter textfile collector).",
+)
+def reconcile(
+    since: dt.datetime | None,
+    dry_run: bool,
+    as_json: bool,
+    fail_on_discrepancy: bool,
+    metrics_file: Path | None,
+) -> None:
+    """Compare the gateway's history with the ledger and repair what can be repaired.
+
+    Refunds double charges (all but the one the ledger records), resolves unknown outcomes
+    by lookup, re-publishes due charges that went quiet (a broker that lost messages), and
+    reports charges the ledger has but the gateway does not (never "fixed" by charging).
+    Safe to run next to workers and next to itself. A CronJob, every 15 minutes.
+    """
+    from charge_worker.reconcile import reconcile_command  # noqa: PLC0415
+
+    start = since.replace(tzinfo=dt.UTC) if since else None
+    raise SystemExit(
+        _run(
+            reconcile_command(
+                _settings(),
+                since=start,
+                dry_run=dry_run,
+                as_json=as_json,
+                fail_on_discrepancy=fail_on_discrepancy,
+                metrics_file=metrics_file,
+            )
+        )
+    )
+
+
+@main.command()
+@click.argument("order_id", type=int)
+@click.argument("billing_period", type=click.DateTime(formats=["%Y-%m-%d"]))
+@click.option("--json", "as_json", is_flag=True, help="Print the story as JSON.")
+@click.option("--gateway", "ask_gateway", is_flag=True, help="Also look the key up at the gateway.")
+def explain(order_id: int, billing_period: dt.datetime, as_json: bool, ask_gateway: bool) -> None:
+    """Tell the whole story of one charge, in time order.
+
+    Scheduled and published, each delivery and what it came to, claims and lease
+    takeovers, the scoring verdict or its deferral, each gateway call and its answer, the ack
+    or dead letter and why, refunds and re-publishes by reconcile.
+    """
+    from charge_worker.explain import explain_command  # noqa: PLC0415
+
+    period = billing_period.date()
+    raise SystemExit(
+        _run(
+            explain_command(_settings(), order_id, period, as_json=as_json, ask_gateway=ask_gateway)
+        )
+    )
 
 
 @main.group()

@@ -15,11 +15,13 @@ import asyncio
 import contextlib
 import time
 
+import asyncpg
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from charge_worker import events
 from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, Requeue, decide
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
@@ -140,6 +142,7 @@ class Consumer:
         )
         action = await self._settle(msg, delivery, processed, action)
         self._account(delivery, processed, action, time.monotonic() - fetched_at)
+        await self._record(delivery, processed, action)
 
     async def _heartbeat(self, msg: Msg) -> None:
         interval = self.settings.heartbeat_s
@@ -208,12 +211,35 @@ class Consumer:
         self.metrics.requeues.inc()
         return Requeue()
 
+    async def _record(self, delivery: Delivery, processed: Processed, action: Action) -> None:
+        """Append this delivery to the charge's story; a poison message has no charge."""
+        charge, claim = processed.charge, processed.claim
+        if charge is None:
+            return
+        try:
+            await events.record(
+                self.ledger.pool,
+                charge.order_id,
+                charge.billing_period,
+                "delivery",
+                self.pipeline.owner,
+                stream_seq=delivery.stream_seq,
+                delivery=delivery.num_delivered,
+                attempt=claim.attempt if claim else None,
+                taken_from=claim.taken_from if claim else None,
+                outcome=processed.result.outcome.value,
+                error=processed.result.error,
+                **processed.notes,
+                **_describe(action),
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+            log.warning("events.write_failed", error=repr(error))
+
     def _account(
         self, delivery: Delivery, processed: Processed, action: Action, seconds: float
     ) -> None:
-        outcome = processed.result.outcome
-        name = type(action).__name__.lower()
-        self.metrics.messages.labels(outcome.value, name).inc()
+        outcome, described = processed.result.outcome, _describe(action)
+        self.metrics.messages.labels(outcome.value, described["action"]).inc()
         self.metrics.processing.observe(seconds)
         if outcome is Outcome.DUPLICATE:
             self.metrics.duplicates.inc()
@@ -227,14 +253,20 @@ class Consumer:
             order_id=charge.order_id if charge else None,
             billing_period=charge.billing_period.isoformat() if charge else None,
             outcome=outcome.value,
-            action=name,
-            delay_s=action.delay_s if isinstance(action, Nak) else None,
-            dlq_reason=action.reason if isinstance(action, DeadLetter) else None,
             error=processed.result.error,
+            **described,
             duration_s=round(seconds, 4),
             trace_id=_trace_id(delivery.traceparent),
         )
         structlog.contextvars.clear_contextvars()
+
+
+def _describe(action: Action) -> dict[str, object]:
+    return {
+        "action": type(action).__name__.lower(),
+        "delay_s": action.delay_s if isinstance(action, Nak) else None,
+        "dlq_reason": action.reason if isinstance(action, DeadLetter) else None,
+    }
 
 
 def _trace_id(traceparent: str | None) -> str | None:

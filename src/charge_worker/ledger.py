@@ -29,24 +29,29 @@ WITH inserted AS (
     INSERT INTO charge_attempts (
         order_id, billing_period, idempotency_key, subscription_id, customer_id,
         amount_minor, currency, due_at, status, lease_owner, lease_until, attempt,
-        deliveries, last_stream_seq)
+        last_stream_seq)
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9,
-            now() + make_interval(secs => $10), 1, 1, $11)
+            now() + make_interval(secs => $10), 1, $11)
     ON CONFLICT DO NOTHING
     RETURNING attempt, gateway_calls, scoring
+), previous AS (  -- the row as it was, to tell a takeover of an expired lease
+    SELECT lease_owner FROM charge_attempts
+     WHERE order_id = $1 AND billing_period = $2 AND NOT EXISTS (SELECT 1 FROM inserted)
+       FOR UPDATE
 ), taken AS (
-    UPDATE charge_attempts
+    UPDATE charge_attempts AS c
        SET status = 'pending', lease_owner = $9, lease_until = now() + make_interval(secs => $10),
-           attempt = attempt + 1, deliveries = deliveries + 1, last_stream_seq = $11,
+           attempt = c.attempt + 1, last_stream_seq = $11,
            updated_at = now()
-     WHERE order_id = $1 AND billing_period = $2
-       AND NOT EXISTS (SELECT 1 FROM inserted)
-       AND fingerprint = $6::bigint::text || ' ' || $7 || ' ' || $5
-       AND (status = 'scheduled' OR (status = 'pending' AND lease_until IS NULL)
-            OR (status = 'pending' AND lease_until < now()))
-    RETURNING attempt, gateway_calls, scoring
+      FROM previous AS p
+     WHERE c.order_id = $1 AND c.billing_period = $2
+       AND c.fingerprint = $6::bigint::text || ' ' || $7 || ' ' || $5
+       AND (c.status = 'scheduled'
+            OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now())))
+    RETURNING c.attempt, c.gateway_calls, c.scoring, p.lease_owner AS taken_from
 )
-SELECT * FROM inserted UNION ALL SELECT * FROM taken
+SELECT attempt, gateway_calls, scoring, NULL::text AS taken_from FROM inserted
+UNION ALL SELECT * FROM taken
 """
 
 _WHY_NOT = """
@@ -65,11 +70,16 @@ WITH updated AS (
        SET gateway_calls = gateway_calls + 1, scoring = coalesce($5, scoring),
            lease_until = now() + make_interval(secs => $6), updated_at = now()
      WHERE {_FENCE}
-    RETURNING order_id, billing_period
+    RETURNING order_id, billing_period, gateway_calls
 ), deferred AS (
     INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
     SELECT order_id, billing_period, $7 FROM updated WHERE $7::text IS NOT NULL
     ON CONFLICT DO NOTHING
+), story AS (
+    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
+    SELECT order_id, billing_period, 'gateway_call', $3,
+           jsonb_build_object('attempt', $4::int, 'call', gateway_calls, 'scoring', $5::text)
+      FROM updated
 )
 SELECT count(*) FROM updated
 """
@@ -111,6 +121,7 @@ class Claim:
     attempt: int
     gateway_calls: int
     scoring: Scoring | None
+    taken_from: str | None = None  # the owner of the expired lease this claim took over
 
     @property
     def outcome_unknown(self) -> bool:
@@ -169,7 +180,7 @@ class Ledger:
                 stream_seq,
             )
             if row is not None:
-                return Claim(*key, owner, row["attempt"], row["gateway_calls"], row["scoring"])
+                return Claim(*key, owner, *row.values())
             why = await conn.fetchrow(_WHY_NOT, *key)
         if why is None:  # deleted between the two statements; let the redelivery retry
             raise LeaseHeld("the row vanished during the claim", retry_after_s=0)

@@ -9,7 +9,7 @@ call has no recorded outcome is looked up before anything is sent again.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -42,11 +42,14 @@ class Delivery:
 
 @dataclass
 class Processed:
+    """What one delivery came to, and what happened on the way (for `explain`)."""
+
     result: Result
     traceparent: str | None = None
     charge: ChargeDue | None = None
     claim: Claim | None = None
     gateway_called: bool = False
+    notes: dict[str, object] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -97,8 +100,11 @@ class Pipeline:
         charge, claim, traceparent = done.charge, done.claim, done.traceparent
         assert charge is not None
         assert claim is not None
-        if claim.outcome_unknown and (found := await self._resolve_by_lookup(charge, claim)):
-            return found
+        if claim.outcome_unknown:
+            found = await self._resolve_by_lookup(charge, claim)
+            done.notes["lookup"] = found.outcome.value if found else "nothing"
+            if found:
+                return found
         scoring, deferred_reason = claim.scoring, None
         if scoring is None:
             verdict = await self.scoring.score(
@@ -108,7 +114,10 @@ class Pipeline:
                 currency=charge.currency,
                 traceparent=traceparent,
             )
-            self.metrics.scoring.labels(_scoring_label(verdict, self.scoring.policy)).inc()
+            done.notes["scoring"] = _scoring_label(verdict, self.scoring.policy)
+            if isinstance(verdict, ScoringFailure):
+                done.notes["scoring_error"] = verdict.reason
+            self.metrics.scoring.labels(done.notes["scoring"]).inc()
             self.failpoints.hit("after_scoring")
             if isinstance(verdict, ScoringFailure):
                 if self.scoring.policy == "hold":
@@ -123,32 +132,32 @@ class Pipeline:
             claim, scoring=scoring, deferred_reason=deferred_reason
         )
         done.gateway_called = True
-        return await self._call_gateway(charge, claim, traceparent)
+        return await self._call_gateway(done, charge, claim)
 
-    async def _call_gateway(
-        self, charge: ChargeDue, claim: Claim, traceparent: str | None
-    ) -> Result:
+    async def _call_gateway(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
         self.failpoints.hit("before_gateway_call")
         try:
-            answer = await self.gateway.charge(charge, traceparent=traceparent)
-        except GatewayRejected as error:
-            self.metrics.gateway_calls.labels("rejected").inc()
-            await self.ledger.settle(claim, "failed", error=str(error))
-            raise
-        except OutcomeUnknown as error:
-            self.metrics.gateway_calls.labels("outcome_unknown").inc()
-            # retry once the lease (which outlives this call) has run out
-            raise OutcomeUnknown(str(error), retry_after_s=self.ledger.lease_s) from error
+            answer = await self.gateway.charge(charge, traceparent=done.traceparent)
         except ChargeWorkerError as error:
-            self.metrics.gateway_calls.labels(result_of(error).outcome.value).inc()
+            self._gateway_answered(done, result_of(error).outcome.value)
+            if isinstance(error, GatewayRejected):
+                await self.ledger.settle(claim, "failed", error=str(error))
+            elif isinstance(error, OutcomeUnknown):
+                # retry once the lease (which outlives this call) has run out
+                raise OutcomeUnknown(str(error), retry_after_s=self.ledger.lease_s) from error
             raise
-        self.metrics.gateway_calls.labels(answer.status).inc()
+        self._gateway_answered(done, answer.status)
+        done.notes.update(charge_id=answer.charge_id, replayed=answer.replayed or None)
         self.failpoints.hit("after_gateway_response_before_commit")
         if answer.status == "succeeded":
             await self.ledger.settle(claim, "succeeded", charge_id=answer.charge_id)
             return Result(Outcome.CHARGED)
         await self.ledger.settle(claim, "declined", error=answer.decline_code)
         return Result(Outcome.DECLINED)
+
+    def _gateway_answered(self, done: Processed, label: str) -> None:
+        done.notes["gateway"] = label
+        self.metrics.gateway_calls.labels(label).inc()
 
     async def _resolve_by_lookup(self, charge: ChargeDue, claim: Claim) -> Result | None:
         """Record what the gateway already did for this key; None if it did nothing."""

@@ -123,6 +123,13 @@ class GatewaySettings(_Group):
     gateway_max_connections: int = Field(100, ge=1)
 
 
+class ReconcileSettings(_Group):
+    """The reconcile sweeps (a CronJob, every 15 min by default)."""
+
+    reconcile_window_s: float = Field(48 * 3600.0, gt=0)
+    reconcile_quiet_s: float = Field(900.0, gt=0)
+
+
 class HttpSettings(_Group):
     """The worker's own HTTP surface: /metrics, /healthz, /readyz."""
 
@@ -152,6 +159,7 @@ class Settings(BaseModel):
     worker: WorkerSettings = _group(WorkerSettings)
     scoring: ScoringSettings = _group(ScoringSettings)
     gateway: GatewaySettings = _group(GatewaySettings)
+    reconcile: ReconcileSettings = _group(ReconcileSettings)
     http: HttpSettings = _group(HttpSettings)
     log: LogSettings = _group(LogSettings)
 

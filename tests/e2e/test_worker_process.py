@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -105,6 +106,22 @@ async def test_kill_9_after_the_gateway_charged_another_worker_finishes_once(
     survivor.proc.send_signal(signal.SIGTERM)
     assert await survivor.exited() == 0
     assert await gateway_charges(gateway_sim.url) == {"21:2026-12-01": 1}
+
+    explained = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "charge_worker", "explain", "21", "2026-12-01", "--gateway"],
+        env={**os.environ, **settings_env(settings)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    story = explained.stdout
+    (tmp_path / "explain.txt").write_text(story)
+    assert "charge 21:2026-12-01: succeeded" in story
+    assert "gateway_call" in story  # the doomed worker's call, recorded before it was sent
+    assert "took over the expired lease of" in story
+    assert "looked up first: charged" in story
+    assert story.count("succeeded") >= 2  # the ledger and the gateway agree
 
 
 async def _in_flight(gateway_url: str) -> int:

@@ -94,6 +94,8 @@ async def test_expired_lease_is_taken_over_and_fences_out_the_old_owner(
     await expire_leases(pool)
     new = await ledger.claim(charge(), "w2", 2)
     assert new.attempt == old.attempt + 1
+    assert new.taken_from == "w1"
+    assert old.taken_from is None
     assert new.outcome_unknown  # the old owner's call has no recorded outcome
     assert new.scoring == "approved"
     with pytest.raises(LeaseHeld):
@@ -145,6 +147,8 @@ async def test_deferred_check_is_written_with_the_call(ledger: Ledger, pool: asy
     checks = await pool.fetch("SELECT status, reason FROM deferred_scoring_checks")
     assert [(c["status"], c["reason"]) for c in checks] == [("pending", "scoring timeout")]
     assert (await row(pool))["gateway_calls"] == 1
+    story = await pool.fetch("SELECT kind, actor, detail FROM charge_events")
+    assert [(e["kind"], e["actor"]) for e in story] == [("gateway_call", "w1")]
 
 
 async def test_retry_later_keeps_or_releases_the_lease(ledger: Ledger, pool: asyncpg.Pool) -> None:

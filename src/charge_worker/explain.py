@@ -1,0 +1,132 @@
+"""`charge-worker explain ORDER_ID PERIOD`: one charge's whole story, in time order.
+
+The ledger row says where the charge stands; `charge_events` says how it got there
+(scheduled, published, every delivery with its claim, scoring, lookup, gateway answer and
+action, every gateway call, reconcile's repairs); `--gateway` adds what the gateway holds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import asdict
+from typing import Any
+
+import asyncpg
+import click
+
+from charge_worker import events
+from charge_worker.errors import DependencyUnavailable
+from charge_worker.gateway import GatewayClient
+from charge_worker.ledger import create_pool
+from charge_worker.messages import idempotency_key
+from charge_worker.settings import Settings
+
+_ROW = """
+SELECT a.*, d.status AS check_status, d.reason AS check_reason
+  FROM charge_attempts a
+  LEFT JOIN deferred_scoring_checks d USING (order_id, billing_period)
+ WHERE a.order_id = $1 AND a.billing_period = $2
+"""
+_HIDDEN = {"order_id", "billing_period", "fingerprint", "check_status", "check_reason"}
+
+
+async def explain_command(
+    settings: Settings,
+    order_id: int,
+    billing_period: dt.date,
+    *,
+    as_json: bool,
+    ask_gateway: bool,
+) -> int:
+    """Print the story; exit 1 when nothing at all is known about this charge."""
+    pool = await create_pool(settings.db)
+    try:
+        row = await pool.fetchrow(_ROW, order_id, billing_period)
+        story = await events.story(pool, order_id, billing_period)
+    except (OSError, asyncpg.PostgresError) as error:
+        raise DependencyUnavailable(f"cannot read the ledger: {error}") from error
+    finally:
+        await pool.close()
+    at_gateway: list[dict[str, Any]] = []
+    if ask_gateway:
+        gateway = GatewayClient(settings.gateway)
+        try:
+            at_gateway = [asdict(c) for c in await gateway.lookup(order_id, billing_period)]
+        finally:
+            await gateway.aclose()
+    key = idempotency_key(order_id, billing_period)
+    if row is None and not story:
+        click.echo(f"no charge {key} in the ledger or its story", err=True)
+        return 1
+    state = {k: v for k, v in dict(row or {}).items() if k not in _HIDDEN and v is not None}
+    if as_json:
+        document = {
+            "key": key,
+            "state": state,
+            "deferred_check": row and row["check_status"],
+            "events": [asdict(e) for e in story],
+            "gateway": at_gateway if ask_gateway else None,
+        }
+        click.echo(json.dumps(document, default=str, indent=2))
+        return 0
+    click.echo(_headline(key, state))
+    if row is not None and row["check_status"]:
+        click.echo(f"  deferred scoring check: {row['check_status']} ({row['check_reason']})")
+    click.echo("story:")
+    for event in story:
+        when = event.at.astimezone(dt.UTC).isoformat(timespec="milliseconds")
+        click.echo(f"  {when}  {event.actor:<28.28}  {event.kind:<12}  {describe(event)}")
+    if ask_gateway:
+        click.echo("at the gateway:" if at_gateway else "at the gateway: no charge for this key")
+        for charge in at_gateway:
+            created = dt.datetime.fromtimestamp(charge["created"], dt.UTC).isoformat()
+            money = f"{charge['amount']} {charge['currency']}"
+            click.echo(f"  {charge['id']}  {charge['status']:<9}  {money}  created {created}")
+    return 0
+
+
+def _headline(key: str, state: dict[str, Any]) -> str:
+    if not state:
+        return f"charge {key}: no ledger row (only events)"
+    money = f"{state['amount_minor']} {state['currency']}"
+    charge = f" {state['gateway_charge_id']}" if "gateway_charge_id" in state else ""
+    lines = [
+        f"charge {key}: {state['status']}{charge}  {money}  customer {state['customer_id']}"
+        f"  subscription {state['subscription_id']}",
+        f"  claims {state['attempt']}, gateway calls "
+        f"{state['gateway_calls']}, scoring {state.get('scoring', '-')}",
+    ]
+    if "lease_owner" in state:
+        lines.append(f"  leased by {state['lease_owner']} until {state['lease_until']}")
+    for name in ("last_error", "review_reason"):
+        if name in state:
+            lines.append(f"  {name.replace('_', ' ')}: {state[name]}")
+    return "\n".join(lines)
+
+
+def describe(event: events.Event) -> str:
+    """One line for one event, in words."""
+    d = event.detail
+    if event.kind != "delivery":
+        return ", ".join(f"{k} {v}" for k, v in d.items())
+    parts = [f"delivery {d.get('delivery')} of stream seq {d.get('stream_seq')}"]
+    if d.get("taken_from"):
+        parts.append(f"took over the expired lease of {d['taken_from']}")
+    if "lookup" in d:
+        parts.append(f"looked up first: {d['lookup']}")
+    if "scoring" in d:
+        parts.append(f"scoring {d['scoring']}")
+    if "gateway" in d:
+        charge = f" {d['charge_id']}" if d.get("charge_id") else ""
+        replay = " (replayed)" if d.get("replayed") else ""
+        parts.append(f"gateway {d['gateway']}{charge}{replay}")
+    action = str(d.get("action"))
+    if d.get("delay_s") is not None:
+        action += f" {float(d['delay_s']):g}s"
+    if d.get("dlq_reason"):
+        action += f" ({d['dlq_reason']})"
+    parts.append(f"{d.get('outcome')} -> {action}")
+    if d.get("error"):
+        parts.append(str(d["error"]))
+    return "; ".join(parts)
