@@ -83,7 +83,7 @@ def _print_open(rows: list[LedgerRow], published: Published, waited_s: float) ->
             click.echo(f"      order {order_id}: never claimed")
         elif row.status not in FINAL:
             error = f", last error: {row.last_error}" if row.last_error else ""
-            click.echo(f"      order {order_id}: {row.status}, deliveries: {row.deliveries}{error}")
+            click.echo(f"      order {order_id}: {row.status}, claims: {row.claims}{error}")
 
 
 async def scrape_when_counted(

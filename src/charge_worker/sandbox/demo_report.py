@@ -45,7 +45,7 @@ class LedgerRow:
     customer_id: str
     status: str
     scoring: str | None
-    deliveries: int
+    claims: int
     last_error: str | None
 
 
@@ -54,7 +54,7 @@ async def ledger_rows(
 ) -> list[LedgerRow]:
     """The demo's rows of `charge_attempts` (other rows on a shared database are left out)."""
     records = await conn.fetch(
-        "SELECT order_id, customer_id, status, scoring, deliveries, last_error"
+        "SELECT order_id, customer_id, status, scoring, attempt AS claims, last_error"
         "  FROM charge_attempts WHERE billing_period = $1 AND order_id = ANY($2::bigint[])"
         " ORDER BY order_id",
         period,
