@@ -13,23 +13,21 @@ import signal
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import structlog
 import uvicorn
 from nats.aio.msg import Msg
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from prometheus_client import CollectorRegistry
 
 from charge_worker import streams
 from charge_worker.checks import BATCH, rescore_deferred
 from charge_worker.consumer import Consumer
 from charge_worker.dlq import DeadLetters
-from charge_worker.errors import ChargeWorkerError
+from charge_worker.errors import ChargeWorkerError, SettingsError
 from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
+from charge_worker.health import Health, http_app, report_consumer_stats
 from charge_worker.ledger import DeferredChecks, Ledger, create_pool
 from charge_worker.metrics import Metrics
 from charge_worker.pipeline import Pipeline
@@ -42,21 +40,6 @@ log = structlog.get_logger("charge_worker.app")
 def worker_id() -> str:
     """This process's lease owner name: host, pid and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def http_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> Starlette:
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def healthz(_: Request) -> Response:
-        return PlainTextResponse("ok")
-
-    async def readyz(_: Request) -> Response:
-        return PlainTextResponse("ready") if ready() else PlainTextResponse("not ready", 503)
-
-    return Starlette(
-        routes=[Route("/metrics", metrics), Route("/healthz", healthz), Route("/readyz", readyz)]
-    )
 
 
 class _Server(uvicorn.Server):
@@ -89,14 +72,23 @@ def _log_failures(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], 
     return wrapped
 
 
+@dataclass(frozen=True)
+class Running:
+    """A started worker, as `on_ready` sees it (tests use it to reach the HTTP surface)."""
+
+    consumer: Consumer
+    http_port: int
+
+
 async def run_worker(
     settings: Settings,
     stop: asyncio.Event,
     *,
     registry: CollectorRegistry | None = None,
-    on_ready: Callable[[Consumer], None] = lambda _c: None,
+    on_ready: Callable[[Running], None] = lambda _r: None,
 ) -> None:
     """Run one worker until `stop` is set."""
+    listener = _listen(settings.http.http_host, settings.http.metrics_port)
     owner = worker_id()
     structlog.contextvars.bind_contextvars(worker=owner)
     nc = await streams.connect(settings.nats, name=f"charge-worker {owner}")
@@ -112,28 +104,29 @@ async def run_worker(
     metrics.watch(scoring.breaker)
     ledger = Ledger(pool, lease_s=settings.worker.lease_s)
     dead_letters = DeadLetters(js, settings.nats)
+    pipeline = Pipeline(
+        ledger,
+        gateway,
+        scoring,
+        owner=owner,
+        metrics=metrics,
+        failpoints=Failpoints(settings.worker.failpoints),
+    )
     consumer = Consumer(
         settings,
         js=js,
-        pipeline=Pipeline(
-            ledger,
-            gateway,
-            scoring,
-            owner=owner,
-            metrics=metrics,
-            failpoints=Failpoints(settings.worker.failpoints),
-        ),
+        pipeline=pipeline,
         dead_letters=dead_letters,
         ledger=ledger,
         gateway=gateway,
         metrics=metrics,
     )
-    advisories = await nc.subscribe(
-        dead_letters.advisory_subject(), cb=_log_failures(dead_letters.on_max_deliveries)
+    health = Health(
+        last_tick=lambda: consumer.last_tick, consuming=consumer.ready.is_set, nc=nc, pool=pool
     )
     server = _Server(
         uvicorn.Config(
-            http_app(metrics.registry, consumer.ready.is_set),
+            http_app(metrics, health),
             host=settings.http.http_host,
             port=settings.http.metrics_port,
             log_level="warning",
@@ -141,31 +134,46 @@ async def run_worker(
             lifespan="off",
         )
     )
-    http_task = asyncio.create_task(server.serve())
+    interval_s = settings.worker.deferred_check_interval_s
     # a taken batch stays leased long enough to score all of it at the full timeout
-    checks = DeferredChecks(
-        pool,
-        retry_s=BATCH * settings.scoring.scoring_timeout_s
-        + settings.worker.deferred_check_interval_s,
+    checks = DeferredChecks(pool, retry_s=BATCH * settings.scoring.scoring_timeout_s + interval_s)
+    advisories = await nc.subscribe(
+        dead_letters.advisory_subject(), cb=_log_failures(dead_letters.on_max_deliveries)
     )
-    checks_task = asyncio.create_task(
-        rescore_deferred(
-            checks, scoring, metrics, stop, interval_s=settings.worker.deferred_check_interval_s
-        )
-    )
+    side_tasks = [
+        asyncio.create_task(server.serve(sockets=[listener])),
+        asyncio.create_task(
+            rescore_deferred(checks, scoring, metrics, stop, interval_s=interval_s)
+        ),
+        asyncio.create_task(
+            report_consumer_stats(
+                nc, settings.nats, metrics, stop, interval_s=settings.worker.stats_interval_s
+            )
+        ),
+    ]
     log.info("worker.started", concurrency=settings.worker.concurrency)
     try:
         consuming = asyncio.create_task(consumer.run(stop))
-        on_ready(consumer)
+        on_ready(Running(consumer, listener.getsockname()[1]))
         await consuming
     finally:
         server.should_exit = True
         stop.set()
-        await checks_task
+        await asyncio.gather(*side_tasks, return_exceptions=True)
         await advisories.unsubscribe()
-        await http_task
         await gateway.aclose()
         await scoring.aclose()
         await pool.close()
         await nc.drain()
         log.info("worker.stopped")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port now, so a bad one fails at start and port 0 is known at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise SettingsError(
+            f"CHARGE_WORKER_METRICS_PORT: cannot listen on {host}:{port}: {error}"
+        ) from error

@@ -33,11 +33,12 @@ async def rescore_deferred(
 ) -> None:
     """Score due checks every `interval_s` until `stop` is set."""
     while not stop.is_set():
-        if scoring.available:
-            try:
+        try:
+            if scoring.available:
                 await _one_round(checks, scoring, metrics)
-            except ChargeWorkerError as error:
-                log.warning("checks.round_failed", error=str(error))
+            metrics.deferred_checks_pending.set(await checks.pending())
+        except ChargeWorkerError as error:
+            log.warning("checks.round_failed", error=str(error))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
 

@@ -57,6 +57,7 @@ class Consumer:
         self.metrics = metrics
         self.in_flight: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
+        self.last_tick = time.monotonic()  # /healthz: the loop turns at least every second
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until `stop` is set, then drain within `drain_s`."""
@@ -66,11 +67,14 @@ class Consumer:
         self.ready.set()
         try:
             while not stop.is_set():
+                self.last_tick = time.monotonic()
                 if not await self._gateway_ready():
                     continue
                 free = concurrency - len(self.in_flight)
                 if free <= 0:
-                    await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        self.in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                    )
                     continue
                 try:
                     msgs = await sub.fetch(free, timeout=self.settings.worker.fetch_wait_s)

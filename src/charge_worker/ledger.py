@@ -300,6 +300,13 @@ class DeferredChecks:
             rows = await self.pool.fetch(_TAKE_CHECKS, limit, self.retry_s)
         return [DeferredCheck(*row.values()) for row in rows]
 
+    async def pending(self) -> int:
+        async with _translated():
+            count = await self.pool.fetchval(
+                "SELECT count(*) FROM deferred_scoring_checks WHERE status = 'pending'"
+            )
+        return int(count)
+
     async def resolve(self, check: DeferredCheck, verdict: Literal["approved", "blocked"]) -> None:
         async with _translated():
             await self.pool.execute(_RESOLVE_CHECK, check.order_id, check.billing_period, verdict)

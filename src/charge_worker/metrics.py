@@ -62,6 +62,22 @@ class Metrics:
         self.in_flight = Gauge(
             f"{PREFIX}_in_flight", "Messages being processed now.", registry=registry
         )
+        self.consumer = {
+            field: Gauge(
+                f"{PREFIX}_consumer_{field}",
+                f"JetStream's {field.replace('_', ' ')} of the durable consumer, seen by this pod.",
+                registry=registry,
+            )
+            for field in ("pending", "ack_pending", "redelivered", "max_ack_pending")
+        }
+        self.dlq_messages = Gauge(
+            f"{PREFIX}_dlq_messages", "Messages in the dead-letter stream.", registry=registry
+        )
+        self.deferred_checks_pending = Gauge(
+            f"{PREFIX}_deferred_checks_pending",
+            "Charges made without a scoring verdict, not yet re-scored.",
+            registry=registry,
+        )
         self.processing = Histogram(
             f"{PREFIX}_processing_seconds", "Time from fetch to settle of one delivery.",
             registry=registry,

@@ -93,6 +93,7 @@ class WorkerSettings(_Group):
     drain_s: float = Field(20.0, gt=0)
     fetch_wait_s: float = Field(1.0, gt=0)
     deferred_check_interval_s: float = Field(10.0, gt=0)
+    stats_interval_s: float = Field(15.0, gt=0)
     failpoints: str = ""  # for the reliability suite only; see failpoints.py
 
     @field_validator("failpoints")

@@ -6,14 +6,18 @@ incident's code (no claim, no heartbeat, no idempotency).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 import asyncpg
+import httpx
 import pytest
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from charge_worker.migrate import migrate
+from charge_worker.sandbox.embedded import PostgresServer
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 
@@ -297,3 +301,52 @@ async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review
     assert rows[0]["review_reason"] is not None
     assert rows[1]["review_reason"] is None
     assert [(c["order_id"], c["status"]) for c in checks] == [(15, "blocked"), (16, "approved")]
+
+
+async def test_health_and_readiness_flip_with_the_database(
+    nc: Client, nats_settings: NatsSettings, gateway_sim: ServedApp, scoring_sim: ServedApp
+) -> None:
+    with PostgresServer() as pg:
+        await migrate(pg.url)
+        settings = settings_for(nats_settings, pg.url, gateway_sim.url, scoring_sim.url)
+        await provisioned(nc, settings)
+        async with (
+            running_worker(settings) as worker,
+            httpx.AsyncClient(base_url=worker.http_url) as client,
+        ):
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/readyz")).status_code == 200
+            await asyncio.to_thread(pg.terminate)
+            down = await client.get("/readyz")
+            assert down.status_code == 503
+            assert "PostgreSQL" in down.text
+            assert (await client.get("/healthz")).status_code == 200  # alive: a restart won't help
+            await asyncio.to_thread(pg.start)
+            await eventually(
+                lambda: _status(client, "/readyz", 200), "ready again once PostgreSQL is back"
+            )
+            worker.stop.set()
+            await eventually(lambda: _status(client, "/readyz", 503), "not ready while draining")
+
+
+async def _status(client: httpx.AsyncClient, path: str, expected: int) -> bool:
+    try:
+        return (await client.get(path)).status_code == expected
+    except httpx.TransportError:
+        return expected != 200
+
+
+async def test_consumer_and_dead_letter_gauges(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url, stats_interval_s=0.2
+    )
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, b"not json")
+    await publish(js, settings.nats.subject, due(61))
+    async with running_worker(settings) as worker:
+        await eventually(lambda: worker.metric("charge_worker_dlq_messages") == 1, "DLQ gauge")
+        await eventually(settled(database_url, 1), "charged")
+        assert worker.metric("charge_worker_consumer_max_ack_pending") == 1000

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from charge_worker import streams
-from charge_worker.app import run_worker
+from charge_worker.app import Running, run_worker
 from charge_worker.consumer import Consumer
 from charge_worker.settings import (
     DbSettings,
@@ -140,6 +140,7 @@ class RunningWorker:
     registry: CollectorRegistry
     stop: asyncio.Event
     task: asyncio.Task[None]
+    http_url: str
 
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -149,16 +150,18 @@ class RunningWorker:
 async def running_worker(settings: Settings) -> AsyncIterator[RunningWorker]:
     stop = asyncio.Event()
     registry = CollectorRegistry()
-    started: asyncio.Future[Consumer] = asyncio.get_running_loop().create_future()
+    started: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
         run_worker(settings, stop, registry=registry, on_ready=started.set_result)
     )
     done, _ = await asyncio.wait({task, started}, timeout=WAIT_S, return_when="FIRST_COMPLETED")
     if task in done:
         task.result()  # raises what stopped it
-    consumer = started.result()
-    await asyncio.wait_for(consumer.ready.wait(), WAIT_S)
-    worker = RunningWorker(consumer, registry, stop, task)
+    running = started.result()
+    await asyncio.wait_for(running.consumer.ready.wait(), WAIT_S)
+    worker = RunningWorker(
+        running.consumer, registry, stop, task, f"http://127.0.0.1:{running.http_port}"
+    )
     try:
         yield worker
     finally:

@@ -1,0 +1,20 @@
+"""/healthz's rule: alive while the pull loop turns; wedged after WEDGED_AFTER_S without."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from charge_worker.health import WEDGED_AFTER_S, Health
+
+
+def health(last_tick: float) -> Health:
+    nothing: Any = None  # alive() touches neither NATS nor PostgreSQL
+    return Health(last_tick=lambda: last_tick, consuming=lambda: True, nc=nothing, pool=nothing)
+
+
+def test_alive_while_the_loop_turns() -> None:
+    assert health(last_tick=100.0).alive(now=100.0 + WEDGED_AFTER_S - 1)
+
+
+def test_wedged_once_the_loop_stops_turning() -> None:
+    assert not health(last_tick=100.0).alive(now=100.0 + WEDGED_AFTER_S + 1)
