@@ -12,3 +12,7 @@ CREATE TABLE charge_events (
     detail         jsonb       NOT NULL DEFAULT '{}'::jsonb
 );
 CREATE INDEX charge_events_key_idx ON charge_events (order_id, billing_period, id);
+
+-- The producer's outbox: scheduled rows not yet published, oldest first.
+CREATE INDEX charge_attempts_unpublished_idx ON charge_attempts (created_at)
+    WHERE status = 'scheduled' AND published_at IS NULL;

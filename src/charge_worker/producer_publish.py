@@ -1,0 +1,150 @@
+"""The producer's second step: publish every `scheduled` row not published yet.
+
+Rows are read oldest first, whoever scheduled them: a run that died between its two steps
+leaves some behind, and this step is what makes that harmless. Each is published with
+`Nats-Msg-Id: charge:<order_id>:<billing_period>`, its ack awaited, and only then is
+`published_at` set, outside any transaction that spans the publish. A failing publish is
+retried with backoff for up to `publish_retry_horizon_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from typing import Any
+
+import asyncpg
+import nats.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from charge_worker import events
+from charge_worker.errors import DependencyUnavailable
+from charge_worker.messages import SCHEMA, ChargeDue
+from charge_worker.producer_summary import Problem, Progress, Summary, Ticker
+from charge_worker.settings import NatsSettings
+
+ACTOR = "producer"
+BATCH = 500  # rows per transaction (schedule) and per read (publish)
+PUBLISH_TIMEOUT_S = 5.0
+FIRST_RETRY_S = 0.1
+MAX_RETRY_S = 5.0
+log = structlog.get_logger("charge_worker.producer")
+
+# Keyset on the sort order: rows another run publishes meanwhile, or a worker claims, drop
+# out; no row is read twice. A row written by hand may lack due_at: the contract's default.
+_UNPUBLISHED = """
+SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
+       coalesce(due_at, billing_period::timestamp AT TIME ZONE 'UTC') AS due_at, created_at
+  FROM charge_attempts
+ WHERE status = 'scheduled' AND published_at IS NULL
+   AND (created_at, billing_period, order_id) > ($1, $2, $3)
+ ORDER BY created_at, billing_period, order_id
+ LIMIT $4
+"""
+
+_UNPUBLISHED_AFTER = """
+SELECT count(*) FROM charge_attempts
+ WHERE status = 'scheduled' AND published_at IS NULL
+   AND (created_at, billing_period, order_id) > ($1, $2, $3)
+"""
+
+# Not "still scheduled": a worker may claim the message before this runs, and the row should
+# still say when it was published. The first publish time is never overwritten.
+_MARK_PUBLISHED = """
+UPDATE charge_attempts SET published_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND published_at IS NULL
+"""
+
+_FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), dt.date.min, 0)
+
+
+async def publish_scheduled(
+    conn: asyncpg.Connection,
+    js: JetStreamContext,
+    cfg: NatsSettings,
+    summary: Summary,
+    *,
+    batch_size: int = BATCH,
+    progress: Progress | None = None,
+) -> None:
+    """Publish every `scheduled` row not published yet, oldest first, counting into `summary`.
+
+    A publish that fails for the whole retry horizon ends the step: the broker stores
+    nothing, and each further row would wait as long. The rest stay `scheduled` for the
+    next run and are counted as `abandoned`.
+    """
+    ticker = Ticker("charges published", progress)
+    cursor: tuple[dt.datetime, dt.date, int] = _FIRST
+    while rows := await conn.fetch(_UNPUBLISHED, *cursor, batch_size):
+        for row in rows:
+            charge = ChargeDue.model_validate({"schema": SCHEMA, **dict(row)})
+            cursor = (row["created_at"], charge.billing_period, charge.order_id)
+            try:
+                ack = await _publish(js, cfg, charge)
+            except DependencyUnavailable as error:
+                summary.failed.append(Problem(charge.subscription_id, charge.key, str(error)))
+                summary.abandoned = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
+                return
+            await conn.execute(_MARK_PUBLISHED, charge.order_id, charge.billing_period)
+            await record_event(
+                conn,
+                charge,
+                "published",
+                stream_seq=ack.seq,
+                msg_id=charge.msg_id,
+                duplicate=bool(ack.duplicate),
+            )
+            if ack.duplicate:
+                summary.deduplicated += 1
+            else:
+                summary.published += 1
+            ticker.tick()
+
+
+async def _publish(js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue) -> PubAck:
+    """Publish and wait for the ack; retry timeouts and refusals up to the retry horizon.
+
+    Every try carries the same Nats-Msg-Id, and the duplicate window is at least the
+    horizon, so a try that was stored although its ack was lost is dropped when repeated.
+    """
+    deadline = time.monotonic() + cfg.publish_retry_horizon_s
+    delay = FIRST_RETRY_S
+    while True:
+        try:
+            return await js.publish(
+                cfg.subject,
+                charge.to_json(),
+                timeout=PUBLISH_TIMEOUT_S,
+                stream=cfg.stream,
+                headers={"Nats-Msg-Id": charge.msg_id},
+            )
+        except nats.errors.ConnectionClosedError as error:
+            # a command's connection is not re-established: no further try could succeed
+            raise DependencyUnavailable("the connection to NATS was lost") from error
+        except (nats.errors.Error, TimeoutError) as error:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                cause = str(error) or type(error).__name__
+                raise DependencyUnavailable(
+                    f"not stored after {cfg.publish_retry_horizon_s:g}s of retries: {cause}"
+                ) from error
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, MAX_RETRY_S)
+
+
+async def record_event(
+    conn: asyncpg.Connection, charge: ChargeDue, kind: str, **detail: Any
+) -> None:
+    """Append to the charge's story as the producer; a failure is logged and ignored.
+
+    Inside a transaction the event gets a savepoint of its own, so that a lost event never
+    undoes the ledger write it describes.
+    """
+    try:
+        async with conn.transaction():
+            await events.record(conn, charge.order_id, charge.billing_period, kind, ACTOR, **detail)
+    except asyncpg.PostgresError as error:
+        log.warning("events.write_failed", kind=kind, key=charge.key, error=repr(error))

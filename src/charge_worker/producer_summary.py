@@ -1,0 +1,110 @@
+"""What a `charge-worker produce` run did and is doing: counts, refused rows, progress.
+
+Two renderings of the same facts: `lines()` for people, `as_json()` for machines. Progress
+lines go elsewhere (stderr), every `PROGRESS_EVERY` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PROGRESS_EVERY = 1000
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A subscription or a charge the run could not carry through, and why (one line)."""
+
+    subscription_id: str | None
+    key: str | None
+    reason: str
+
+
+@dataclass
+class Summary:
+    """The figures of one run.
+
+    `due` counts subscriptions this run took (a concurrent run takes the others); every other
+    count is of charges, one per (order_id, billing_period). `published` and `deduplicated`
+    (re-publishes JetStream dropped) include charges scheduled by earlier runs that had not
+    been published yet. `failed` is the publish that failed for the whole retry horizon;
+    `abandoned` counts the unpublished rows after it, not tried once the broker had failed.
+    """
+
+    day: dt.date
+    due: int = 0
+    scheduled: int = 0
+    already_scheduled: int = 0
+    already_settled: int = 0
+    published: int = 0
+    deduplicated: int = 0
+    invalid: list[Problem] = field(default_factory=list)
+    conflicts: list[Problem] = field(default_factory=list)
+    failed: list[Problem] = field(default_factory=list)
+    abandoned: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        """1 if a due charge was left unpublished; refused rows alone do not fail the run."""
+        return 1 if self.failed or self.abandoned else 0
+
+    def as_json(self) -> str:
+        """One JSON object; problems are listed in full."""
+        document = dataclasses.asdict(self) | {"exit_code": self.exit_code}
+        return json.dumps(document, default=str, ensure_ascii=False)
+
+    def lines(self) -> list[str]:
+        """A table of the counts, then every refused or failed row on a line of its own."""
+        rows = [
+            ("due subscriptions", self.due),
+            ("scheduled now", self.scheduled),
+            ("already scheduled", self.already_scheduled),
+            ("already settled", self.already_settled),
+            ("published", self.published),
+            ("deduplicated by the server", self.deduplicated),
+            ("invalid (skipped)", len(self.invalid)),
+            ("conflicts (skipped)", len(self.conflicts)),
+            ("failed to publish", len(self.failed) + self.abandoned),
+        ]
+        out = [f"produce for {self.day.isoformat()}"]
+        out += [f"  {name:<28}{count:>8}" for name, count in rows]
+        for title, problems in (
+            ("invalid subscriptions (not advanced)", self.invalid),
+            ("conflicts (not advanced)", self.conflicts),
+            ("failed to publish (left scheduled for the next run)", self.failed),
+        ):
+            if problems:
+                out.append(f"{title}:")
+                out += [f"  {_who(p)}: {p.reason}" for p in problems]
+        if self.abandoned:
+            out.append(
+                f"  {self.abandoned} more not attempted: the broker failed for the whole "
+                "retry horizon (left scheduled for the next run)"
+            )
+        out.append("result: " + ("ok" if self.exit_code == 0 else "INCOMPLETE, re-run"))
+        return out
+
+
+def _who(problem: Problem) -> str:
+    names = [name for name in (problem.subscription_id, problem.key) if name]
+    return " ".join(names)
+
+
+class Ticker:
+    """Counts rows and reports every `PROGRESS_EVERY` of them."""
+
+    def __init__(self, what: str, progress: Progress | None) -> None:
+        self.what = what
+        self.progress = progress
+        self.count = 0
+
+    def tick(self) -> None:
+        self.count += 1
+        if self.progress is not None and self.count % PROGRESS_EVERY == 0:
+            self.progress(f"produce: {self.count} {self.what}")

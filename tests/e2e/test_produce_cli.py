@@ -1,0 +1,235 @@
+"""`charge-worker produce` as the CronJob runs it: a subprocess, its summary and exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js.api import DiscardPolicy
+
+from charge_worker import streams
+from charge_worker.sandbox.embedded import free_port
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings
+from tests.integration.test_producer import (
+    DAY,
+    Sub,
+    add_attempt,
+    add_subscriptions,
+    all_final,
+    attempts,
+    next_dates,
+    stream_messages,
+)
+from tests.integration.worker_harness import (
+    eventually,
+    gateway_charges,
+    running_worker,
+    settings_env,
+    settings_for,
+)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def env_for(nats: NatsSettings, database_url: str, **extra: str) -> dict[str, str]:
+    return {
+        "NATS_URL": str(nats.url),
+        "DATABASE_URL": database_url,
+        "CHARGE_WORKER_STREAM": nats.stream,
+        "CHARGE_WORKER_SUBJECT": nats.subject,
+        "CHARGE_WORKER_DLQ_STREAM": nats.dlq_stream,
+        "CHARGE_WORKER_DLQ_SUBJECT": nats.dlq_subject,
+        **extra,
+    }
+
+
+async def produce(*args: str, env: dict[str, str]) -> Result:
+    """`charge-worker produce --date DAY ARGS` in a subprocess."""
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("CHARGE_WORKER_") and k not in ("NATS_URL", "DATABASE_URL")
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "charge_worker",
+        "produce",
+        "--date",
+        DAY.isoformat(),
+        *args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean | env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+async def test_json_summary_is_the_whole_story(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    paid = Sub("sub_paid", 4)
+    await add_subscriptions(
+        database_url,
+        Sub("sub_ok", 1),
+        Sub("sub_behind", 2, next_billing_date=DAY.replace(month=10)),
+        Sub("sub_bad", 3, currency="rub"),
+        paid,
+    )
+    await add_attempt(database_url, paid, "succeeded", published=True)
+
+    result = await produce("--json", env=env_for(nats_settings, database_url))
+
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "day": "2026-12-01",
+        "due": 4,
+        "scheduled": 4,
+        "already_scheduled": 0,
+        "already_settled": 1,
+        "published": 4,
+        "deduplicated": 0,
+        "invalid": [
+            {
+                "subscription_id": "sub_bad",
+                "key": None,
+                "reason": "currency: String should match pattern '^[A-Z]{3}$'",
+            }
+        ],
+        "conflicts": [],
+        "failed": [],
+        "abandoned": 0,
+        "exit_code": 0,
+    }
+    assert len(await stream_messages(nc.jetstream(), nats_settings.stream)) == 4
+
+
+async def test_human_summary_and_exit_1_when_a_publish_fails(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    """A full stream refuses the second message: the run says so, exits 1, a re-run finishes."""
+    js = nc.jetstream()
+    full = dataclasses.replace(
+        streams.charges_stream(nats_settings), max_msgs=1, discard=DiscardPolicy.NEW
+    )
+    await js.add_stream(full)
+    await add_subscriptions(
+        database_url,
+        Sub("sub_1", 1),
+        Sub("sub_2", 2),
+        Sub("sub_3", 3),
+        Sub("sub_4", 4, amount_minor=0),
+    )
+    env = env_for(nats_settings, database_url, CHARGE_WORKER_PUBLISH_RETRY_HORIZON_S="0.2")
+
+    failed = await produce(env=env)
+
+    assert failed.returncode == 1, failed.stderr
+    lines = failed.stdout.splitlines()
+    failure = lines.index("failed to publish (left scheduled for the next run):") + 1
+    assert lines[failure].startswith("  sub_2 2:2026-12-01: not stored after 0.2s of retries: ")
+    lines[failure] = "  sub_2 2:2026-12-01: ..."
+    assert lines == [
+        "produce for 2026-12-01",
+        "  due subscriptions                  4",
+        "  scheduled now                      3",
+        "  already scheduled                  0",
+        "  already settled                    0",
+        "  published                          1",
+        "  deduplicated by the server         0",
+        "  invalid (skipped)                  1",
+        "  conflicts (skipped)                0",
+        "  failed to publish                  2",
+        "invalid subscriptions (not advanced):",
+        "  sub_4: amount_minor: Input should be greater than 0",
+        "failed to publish (left scheduled for the next run):",
+        "  sub_2 2:2026-12-01: ...",
+        "  1 more not attempted: the broker failed for the whole retry horizon "
+        "(left scheduled for the next run)",
+        "result: INCOMPLETE, re-run",
+    ]
+
+    await js.update_stream(dataclasses.replace(full, max_msgs=-1))
+    rerun = await produce(env=env)
+
+    assert rerun.returncode == 0, rerun.stderr
+    assert "  published                          2" in rerun.stdout.splitlines()
+    assert rerun.stdout.splitlines()[-1] == "result: ok"
+    assert len(await stream_messages(js, nats_settings.stream)) == 3
+
+
+async def test_two_runs_at_once_charge_once(
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
+    """Two CronJob pods started together; then a real worker charges what they published."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1201)))
+    keys = {f"{n}:2026-12-01" for n in range(1, 1201)}
+
+    one, two = await asyncio.gather(
+        produce("--json", env=settings_env(settings)), produce("--json", env=settings_env(settings))
+    )
+
+    assert (one.returncode, two.returncode) == (0, 0), one.stderr + two.stderr
+    first, second = json.loads(one.stdout), json.loads(two.stdout)
+    assert first["due"] + second["due"] == 1200
+    assert first["scheduled"] + second["scheduled"] == 1200
+    assert first["published"] + second["published"] == 1200
+    assert set(await stream_messages(nc.jetstream(), nats_settings.stream)) == {
+        f"charge:{key}" for key in keys
+    }
+    async with running_worker(settings):
+        await eventually(all_final(database_url, len(keys)), "every charge settled", within_s=100)
+    assert await gateway_charges(gateway_sim.url) == dict.fromkeys(keys, 1)
+
+
+async def test_progress_goes_to_stderr_and_json_stays_one_object(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1001)))
+
+    result = await produce("--json", env=env_for(nats_settings, database_url))
+
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["published"] == 1000
+    progress = [line for line in result.stderr.splitlines() if line.startswith("produce: ")]
+    assert progress == [
+        "produce: 1000 due subscriptions examined",
+        "produce: 1000 charges published",
+    ]
+    assert len(await stream_messages(nc.jetstream(), nats_settings.stream)) == 1000
+
+
+async def test_nats_down_fails_in_one_line_after_scheduling(
+    nats_settings: NatsSettings, database_url: str
+) -> None:
+    """The outbox: what is due is recorded even when the broker is down; the next run sends it."""
+    await add_subscriptions(database_url, Sub("sub_1", 1))
+    down = nats_settings.model_copy(update={"url": f"nats://127.0.0.1:{free_port()}"})
+
+    result = await produce(env=env_for(down, database_url))
+
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("Error: DependencyUnavailable: cannot connect to NATS")
+    assert await attempts(database_url) == {"1:2026-12-01": ("scheduled", False)}
+    assert (await next_dates(database_url))["sub_1"] == DAY.replace(year=2027, month=1)

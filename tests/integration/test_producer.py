@@ -1,0 +1,393 @@
+"""The producer against real PostgreSQL and nats-server, and a real worker after it.
+
+What it must keep: every due period of every valid subscription is recorded once and
+published once (one stream message per key), refused rows are reported and left where they
+are, and however often and however concurrently it runs, each due charge is charged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import asyncpg
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy
+
+from charge_worker import events, streams
+from charge_worker.messages import parse
+from charge_worker.producer import produce, publish_scheduled, schedule
+from charge_worker.producer_summary import Problem, Summary
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import DbSettings, NatsSettings, Settings
+
+from .worker_harness import eventually, gateway_charges, running_worker, settings_for
+
+DAY = dt.date(2026, 12, 1)
+FINAL = ("succeeded", "declined", "blocked", "failed", "refunded")
+
+
+@dataclass(frozen=True)
+class Sub:
+    """One row of `subscriptions`, due on DAY unless told otherwise."""
+
+    subscription_id: str
+    order_id: int
+    next_billing_date: dt.date = DAY
+    amount_minor: int = 99000
+    currency: str = "RUB"
+    customer_id: str = "cus_ok"
+    active: bool = True
+
+
+@contextlib.asynccontextmanager
+async def connected(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def add_subscriptions(database_url: str, *subs: Sub) -> None:
+    async with connected(database_url) as conn:
+        await conn.executemany(
+            "INSERT INTO subscriptions (subscription_id, order_id, next_billing_date,"
+            " amount_minor, currency, customer_id, active) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            [dataclasses.astuple(sub) for sub in subs],
+        )
+
+
+async def add_attempt(
+    database_url: str,
+    sub: Sub,
+    status: str,
+    *,
+    period: dt.date = DAY,
+    amount_minor: int | None = None,
+    published: bool = False,
+) -> None:
+    """A `charge_attempts` row written by hand (due_at NULL), as a worker or an old run left it."""
+    async with connected(database_url) as conn:
+        await conn.execute(
+            "INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,"
+            " subscription_id, customer_id, amount_minor, currency, status, gateway_charge_id,"
+            " published_at)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, CASE WHEN $10 THEN now() END)",
+            sub.order_id,
+            period,
+            f"{sub.order_id}:{period.isoformat()}",
+            sub.subscription_id,
+            sub.customer_id,
+            amount_minor or sub.amount_minor,
+            sub.currency,
+            status,
+            f"ch_{sub.order_id}" if status in ("succeeded", "refunded") else None,
+            published,
+        )
+
+
+async def attempts(database_url: str) -> dict[str, tuple[str, bool]]:
+    """Ledger rows by key: (status, published)."""
+    async with connected(database_url) as conn:
+        rows = await conn.fetch(
+            "SELECT idempotency_key, status, published_at IS NOT NULL AS published"
+            " FROM charge_attempts"
+        )
+    return {row["idempotency_key"]: (row["status"], row["published"]) for row in rows}
+
+
+async def next_dates(database_url: str) -> dict[str, dt.date]:
+    async with connected(database_url) as conn:
+        rows = await conn.fetch("SELECT subscription_id, next_billing_date FROM subscriptions")
+    return {row["subscription_id"]: row["next_billing_date"] for row in rows}
+
+
+async def stream_messages(js: JetStreamContext, stream: str) -> dict[str, bytes]:
+    """Every message in the stream by Nats-Msg-Id; a second message for an id fails the test."""
+    info = await js.stream_info(stream)
+    found: dict[str, bytes] = {}
+    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):  # 0 when empty
+        msg = await js.get_msg(stream, seq)
+        msg_id = (msg.headers or {})["Nats-Msg-Id"]
+        assert msg_id not in found, f"a second message for {msg_id}"
+        found[msg_id] = msg.data or b""
+    return found
+
+
+def all_final(database_url: str, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        rows = await attempts(database_url)
+        return len(rows) == count and all(status in FINAL for status, _ in rows.values())
+
+    return check
+
+
+def keys_of(*pairs: tuple[int, str]) -> set[str]:
+    return {f"{order_id}:{period}" for order_id, period in pairs}
+
+
+@pytest.fixture
+def settings(nats_settings: NatsSettings, database_url: str) -> Settings:
+    """Producer-only settings: no worker, no simulators."""
+    return Settings(nats=nats_settings, db=DbSettings(url=database_url))
+
+
+@pytest.fixture
+def worker_settings(
+    nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp, scoring_sim: ServedApp
+) -> Settings:
+    """One settings object for the producer and the worker after it (one stream shape)."""
+    return settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+
+
+async def test_due_subscriptions_are_published_once_and_advanced(
+    nc: Client, settings: Settings, database_url: str
+) -> None:
+    await add_subscriptions(
+        database_url,
+        Sub("sub_today", 1),
+        Sub("sub_mid_month", 2, next_billing_date=dt.date(2026, 11, 15), currency="EUR"),
+        Sub("sub_behind", 3, next_billing_date=dt.date(2026, 10, 1)),
+        Sub("sub_tomorrow", 4, next_billing_date=dt.date(2026, 12, 2)),
+        Sub("sub_inactive", 5, active=False),
+    )
+    summary = await produce(settings, DAY)
+
+    keys = keys_of(
+        (1, "2026-12-01"), (2, "2026-11-15"),
+        (3, "2026-10-01"), (3, "2026-11-01"), (3, "2026-12-01"),
+    )  # fmt: skip
+    assert (summary.due, summary.scheduled, summary.published, summary.deduplicated) == (3, 5, 5, 0)
+    assert summary.exit_code == 0
+    assert await attempts(database_url) == dict.fromkeys(keys, ("scheduled", True))
+    messages = await stream_messages(nc.jetstream(), settings.nats.stream)
+    assert set(messages) == {f"charge:{key}" for key in keys}
+    assert json.loads(messages["charge:2:2026-11-15"]) == {
+        "schema": "charge.due/v1",
+        "order_id": 2,
+        "billing_period": "2026-11-15",
+        "subscription_id": "sub_mid_month",
+        "customer_id": "cus_ok",
+        "amount_minor": 99000,
+        "currency": "EUR",
+        "due_at": "2026-11-15T00:00:00Z",
+    }
+    for msg_id, body in messages.items():  # every body keeps the contract and its own key
+        assert f"charge:{parse(body).key}" == msg_id
+    assert await next_dates(database_url) == {
+        "sub_today": dt.date(2027, 1, 1),
+        "sub_mid_month": dt.date(2026, 12, 15),
+        "sub_behind": dt.date(2027, 1, 1),
+        "sub_tomorrow": dt.date(2026, 12, 2),
+        "sub_inactive": DAY,
+    }
+    async with connected(database_url) as conn:
+        story = await events.story(conn, 3, dt.date(2026, 11, 1))
+    assert [(e.kind, e.actor) for e in story] == [
+        ("scheduled", "producer"),
+        ("published", "producer"),
+    ]
+    assert story[0].detail == {
+        "subscription_id": "sub_behind",
+        "amount_minor": 99000,
+        "currency": "RUB",
+    }
+    assert story[1].detail["msg_id"] == "charge:3:2026-11-01"
+    assert story[1].detail["duplicate"] is False
+
+
+@pytest.mark.usefixtures("nc")
+async def test_rows_breaking_the_contract_are_reported_skipped_and_not_advanced(
+    settings: Settings, database_url: str
+) -> None:
+    await add_subscriptions(
+        database_url,
+        Sub("sub_zero", 1, amount_minor=0),
+        Sub("sub_lower", 2, currency="rub"),
+        Sub("sub_no_customer", 3, customer_id=""),
+        Sub("sub_good", 4),
+    )
+    summary = await produce(settings, DAY)
+
+    assert summary.invalid == [
+        Problem("sub_lower", None, "currency: String should match pattern '^[A-Z]{3}$'"),
+        Problem("sub_no_customer", None, "customer_id: String should have at least 1 character"),
+        Problem("sub_zero", None, "amount_minor: Input should be greater than 0"),
+    ]
+    assert (summary.due, summary.scheduled, summary.published) == (4, 1, 1)
+    assert summary.exit_code == 0  # reported, but invalid rows alone do not fail the run
+    assert await attempts(database_url) == {"4:2026-12-01": ("scheduled", True)}
+    assert await next_dates(database_url) == {
+        "sub_zero": DAY,
+        "sub_lower": DAY,
+        "sub_no_customer": DAY,
+        "sub_good": dt.date(2027, 1, 1),
+    }
+
+
+async def test_final_rows_are_already_settled_and_conflicts_are_not_advanced(
+    nc: Client, settings: Settings, database_url: str
+) -> None:
+    paid, declined, raised = Sub("sub_paid", 1), Sub("sub_declined", 2), Sub("sub_raised", 3)
+    behind = Sub("sub_behind", 4, next_billing_date=dt.date(2026, 11, 1), currency="EUR")
+    await add_subscriptions(database_url, paid, declined, raised, behind)
+    await add_attempt(database_url, paid, "succeeded", published=True)
+    await add_attempt(database_url, declined, "declined")  # final, though never published
+    await add_attempt(database_url, raised, "scheduled", amount_minor=50000, published=True)
+    await add_attempt(database_url, dataclasses.replace(behind, currency="RUB"), "failed")
+
+    summary = await produce(settings, DAY)
+
+    assert (summary.already_settled, summary.scheduled, summary.published) == (2, 1, 1)
+    assert summary.conflicts == [
+        Problem("sub_behind", "4:2026-12-01",
+                "recorded as '99000 RUB cus_ok', the subscription says '99000 EUR cus_ok'"),
+        Problem("sub_raised", "3:2026-12-01",
+                "recorded as '50000 RUB cus_ok', the subscription says '99000 RUB cus_ok'"),
+    ]  # fmt: skip
+    assert summary.exit_code == 0  # reported, like invalid rows
+    assert await next_dates(database_url) == {
+        "sub_paid": dt.date(2027, 1, 1),
+        "sub_declined": dt.date(2027, 1, 1),
+        "sub_raised": DAY,
+        "sub_behind": DAY,  # its November charge went out; December stops at the conflict
+    }
+    messages = await stream_messages(nc.jetstream(), settings.nats.stream)
+    assert set(messages) == {"charge:4:2026-11-01"}
+    assert (await attempts(database_url))["2:2026-12-01"] == ("declined", False)
+
+
+async def test_a_crash_between_the_steps_loses_nothing(
+    nc: Client, settings: Settings, database_url: str
+) -> None:
+    """Rows scheduled but never published, by a run that died or by hand, go out next run."""
+    await add_subscriptions(database_url, Sub("sub_a", 1), Sub("sub_b", 2))
+    async with connected(database_url) as conn:
+        step_one = Summary(DAY)
+        await schedule(conn, DAY, step_one)  # the run dies here, before publishing
+    assert step_one.scheduled == 2
+    await add_attempt(database_url, Sub("sub_by_hand", 9), "scheduled")
+
+    summary = await produce(settings, DAY)
+
+    assert (summary.due, summary.scheduled, summary.published) == (0, 0, 3)
+    assert await attempts(database_url) == dict.fromkeys(
+        keys_of((1, "2026-12-01"), (2, "2026-12-01"), (9, "2026-12-01")), ("scheduled", True)
+    )
+    messages = await stream_messages(nc.jetstream(), settings.nats.stream)
+    assert set(messages) == {"charge:1:2026-12-01", "charge:2:2026-12-01", "charge:9:2026-12-01"}
+    by_hand = parse(messages["charge:9:2026-12-01"])  # its missing due_at: the period's midnight
+    assert by_hand.due_at == dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+
+
+async def test_a_cron_run_twice_charges_once(
+    nc: Client, worker_settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    """Twice, and once more as if the first had died after publishing, before recording it."""
+    subs = [Sub(f"sub_{n}", n) for n in range(1, 6)]
+    await add_subscriptions(database_url, *subs, Sub("sub_behind", 6, dt.date(2026, 10, 1)))
+    keys = {f"{n}:2026-12-01" for n in range(1, 7)} | {"6:2026-10-01", "6:2026-11-01"}
+
+    first = await produce(worker_settings, DAY)
+    second = await produce(worker_settings, DAY)
+    async with connected(database_url) as conn:
+        await conn.execute("UPDATE charge_attempts SET published_at = NULL")
+    third = await produce(worker_settings, DAY)
+
+    assert (first.scheduled, first.published) == (8, 8)
+    assert (second.due, second.scheduled, second.published, second.deduplicated) == (0, 0, 0, 0)
+    assert (third.published, third.deduplicated) == (0, 8)  # dropped by JetStream
+    assert set(await stream_messages(nc.jetstream(), worker_settings.nats.stream)) == {
+        f"charge:{key}" for key in keys
+    }
+    async with running_worker(worker_settings):
+        await eventually(all_final(database_url, len(keys)), "every charge settled")
+    assert await gateway_charges(gateway_sim.url) == dict.fromkeys(keys, 1)
+    after = await produce(worker_settings, DAY)
+    assert (after.due, after.published, after.exit_code) == (0, 0, 0)
+
+
+async def test_two_concurrent_runs_charge_once(
+    nc: Client, worker_settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    """Small batches interleave the two runs' transactions; SKIP LOCKED splits the rows."""
+    await add_subscriptions(
+        database_url,
+        *(Sub(f"sub_{n:03}", n, dt.date(2026, 11, 1) if n % 3 == 0 else DAY) for n in range(1, 41)),
+    )
+    keys = {f"{n}:2026-12-01" for n in range(1, 41)} | {f"{n}:2026-11-01" for n in range(3, 41, 3)}
+
+    one, two = await asyncio.gather(
+        produce(worker_settings, DAY, batch_size=3), produce(worker_settings, DAY, batch_size=3)
+    )
+
+    assert one.due + two.due == 40
+    assert one.scheduled + two.scheduled == len(keys)
+    assert one.already_scheduled + two.already_scheduled == 0  # no subscription taken twice
+    assert one.published + two.published == len(keys)  # the server dropped any second copy
+    assert set(await stream_messages(nc.jetstream(), worker_settings.nats.stream)) == {
+        f"charge:{key}" for key in keys
+    }
+    async with running_worker(worker_settings):
+        await eventually(all_final(database_url, len(keys)), "every charge settled")
+    assert await gateway_charges(gateway_sim.url) == dict.fromkeys(keys, 1)
+
+
+async def test_a_publish_failing_past_the_horizon_is_counted_and_published_next_run(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    """A stream that refuses new messages (full) is a real failure, with no mock."""
+    cfg = nats_settings.model_copy(update={"publish_retry_horizon_s": 0.3})
+    settings = Settings(nats=cfg, db=DbSettings(url=database_url))
+    js = nc.jetstream()
+    full = dataclasses.replace(streams.charges_stream(cfg), max_msgs=1, discard=DiscardPolicy.NEW)
+    await js.add_stream(full)
+    await add_subscriptions(database_url, Sub("sub_1", 1), Sub("sub_2", 2), Sub("sub_3", 3))
+
+    first = await produce(settings, DAY)
+
+    assert (first.scheduled, first.published, first.abandoned, first.exit_code) == (3, 1, 1, 1)
+    [failed] = first.failed
+    assert (failed.subscription_id, failed.key) == ("sub_2", "2:2026-12-01")
+    assert failed.reason.startswith("not stored after 0.3s of retries: ")
+    assert await attempts(database_url) == {
+        "1:2026-12-01": ("scheduled", True),
+        "2:2026-12-01": ("scheduled", False),
+        "3:2026-12-01": ("scheduled", False),
+    }
+
+    await js.update_stream(dataclasses.replace(full, max_msgs=-1))
+    second = await produce(settings, DAY)
+
+    assert (second.scheduled, second.published, second.exit_code) == (0, 2, 0)
+    assert set(await stream_messages(js, cfg.stream)) == {
+        "charge:1:2026-12-01", "charge:2:2026-12-01", "charge:3:2026-12-01"
+    }  # fmt: skip
+
+
+async def test_a_lost_connection_fails_at_once_and_leaves_the_rest_scheduled(
+    nats_settings: NatsSettings, database_url: str
+) -> None:
+    """A command's NATS connection is not re-established, so no retry could succeed."""
+    await add_subscriptions(database_url, Sub("sub_1", 1), Sub("sub_2", 2))
+    lost = await streams.connect(nats_settings, name="tests-lost", reconnect=False)
+    await lost.close()
+    summary = Summary(DAY)  # the default retry horizon (600 s) is never waited for
+    async with connected(database_url) as conn:
+        await schedule(conn, DAY, summary)
+        await publish_scheduled(conn, lost.jetstream(), nats_settings, summary)
+
+    assert summary.failed == [Problem("sub_1", "1:2026-12-01", "the connection to NATS was lost")]
+    assert (summary.scheduled, summary.published, summary.abandoned) == (2, 0, 1)
+    assert summary.exit_code == 1
+    assert await attempts(database_url) == dict.fromkeys(
+        keys_of((1, "2026-12-01"), (2, "2026-12-01")), ("scheduled", False)
+    )
