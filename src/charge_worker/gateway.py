@@ -22,6 +22,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
 import httpx
 import pybreaker
 
@@ -202,10 +203,10 @@ class GatewayClient:
                 try:
                     async with asyncio.timeout(self.timeout_s):
                         response = await self.client.request(method, path, **kwargs)
-                except httpx.ConnectError as error:
-                    raise DependencyUnavailable(
-                        f"gateway unreachable: {error}", retry_after_s=None
-                    ) from error
+                except httpx.TransportError as error:
+                    if _never_sent(error):
+                        raise DependencyUnavailable(f"gateway unreachable: {error}") from error
+                    raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
                 except (TimeoutError, httpx.HTTPError) as error:
                     raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
                 if response.status_code >= 500:
@@ -215,6 +216,17 @@ class GatewayClient:
             raise DependencyUnavailable(
                 "gateway breaker open", retry_after_s=open_for_s(self.breaker)
             ) from error
+
+
+def _never_sent(error: httpx.TransportError) -> bool:
+    """True when the request cannot have reached the gateway (no connection was made).
+
+    httpx-aiohttp maps aiohttp's connect failure to `ConnectTimeout`, the same class it uses
+    for a connection dropped after sending, so the aiohttp cause is what tells them apart.
+    """
+    return isinstance(error, httpx.ConnectError) or isinstance(
+        error.__cause__, aiohttp.ClientConnectorError
+    )
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

@@ -12,14 +12,18 @@ import asyncpg
 import httpx
 import pytest
 from nats.aio.client import Client
+from pydantic import SecretStr
 
 from charge_worker import streams
+from charge_worker.errors import DependencyUnavailable
+from charge_worker.gateway import GatewayClient
 from charge_worker.migrate import migrate
-from charge_worker.sandbox.embedded import NatsServer, PostgresServer
+from charge_worker.sandbox.embedded import NatsServer, PostgresServer, free_port
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import NatsSettings
+from charge_worker.settings import GatewaySettings, NatsSettings
 
 from .worker_harness import (
+    PERIOD,
     due,
     eventually,
     gateway_charges,
@@ -187,3 +191,13 @@ async def test_postgres_restart_mid_run(
             await eventually(lambda: all_settled(pg.url, 40), "all charged", within_s=120)
             assert not worker.task.done()
     assert await gateway_charges(gateway_sim.url) == each_once(40)
+
+
+async def test_a_refused_connection_is_known_unsent_not_an_unknown_outcome() -> None:
+    cfg = GatewaySettings(url=f"http://127.0.0.1:{free_port()}", api_key=SecretStr("k"))
+    gateway = GatewayClient(cfg)
+    try:
+        with pytest.raises(DependencyUnavailable, match="unreachable"):
+            await gateway.lookup(1, PERIOD)
+    finally:
+        await gateway.aclose()

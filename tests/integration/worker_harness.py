@@ -27,6 +27,7 @@ from charge_worker.settings import (
     GatewaySettings,
     HttpSettings,
     NatsSettings,
+    ReconcileSettings,
     ScoringSettings,
     Settings,
     WorkerSettings,
@@ -56,6 +57,7 @@ def settings_for(
             "gateway_timeout_s": 5.0,
         },
         "http": {"http_host": "127.0.0.1", "metrics_port": 0},
+        "reconcile": {},
     }
     classes = {
         "nats": NatsSettings,
@@ -64,6 +66,7 @@ def settings_for(
         "scoring": ScoringSettings,
         "gateway": GatewaySettings,
         "http": HttpSettings,
+        "reconcile": ReconcileSettings,
     }
     for field, value in overrides.items():
         group = next(g for g, cls in classes.items() if field in cls.model_fields)

@@ -1,0 +1,215 @@
+"""What one reconcile run found and did: the human table, the JSON, the Prometheus textfile.
+
+Each sweep adds `Finding`s (a key and what was done about it) and `Failure`s (a key it
+could not handle: reported, and the sweep went on); `Counts` are the figures the on-call
+alerts watch. Pure: no I/O except `write_metrics`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+Sweep = Literal["double_charges", "unknown_outcomes", "lost_messages", "discrepancies"]
+SWEEPS: tuple[Sweep, ...] = ("double_charges", "unknown_outcomes", "lost_messages", "discrepancies")
+TITLES: dict[Sweep, str] = {
+    "double_charges": "double charges",
+    "unknown_outcomes": "unknown outcomes",
+    "lost_messages": "lost messages",
+    "discrepancies": "discrepancies",
+}
+METRIC_PREFIX = "charge_worker_reconcile"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One key a sweep found, and what it did (or, in a dry run, would do) about it."""
+
+    order_id: int
+    billing_period: dt.date
+    action: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.order_id}:{self.billing_period.isoformat()}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A key a sweep could not handle; the sweep went on with the next one."""
+
+    sweep: Sweep
+    key: str
+    error: str
+
+
+@dataclass
+class Counts:
+    """The run's figures, as the metrics file carries them.
+
+    `double_charges` counts extra successful charges (beyond the one kept per key), so
+    `double_charges - refunds` is what is still owed back after a real run.
+    """
+
+    double_charges: int = 0
+    refunds: int = 0
+    unknown_resolved: int = 0
+    republished: int = 0
+    discrepancies: int = 0
+    errors: int = 0
+
+
+@dataclass
+class Report:
+    """Everything one run found and did; `skipped` says why it did nothing at all."""
+
+    started_at: dt.datetime
+    since: dt.datetime
+    dry_run: bool
+    skipped: str | None = None
+    pages: int = 0
+    charges_seen: int = 0
+    counts: Counts = field(default_factory=Counts)
+    findings: dict[Sweep, list[Finding]] = field(
+        default_factory=lambda: {sweep: [] for sweep in SWEEPS}
+    )
+    failures: list[Failure] = field(default_factory=list)
+
+    def add(self, sweep: Sweep, finding: Finding) -> None:
+        self.findings[sweep].append(finding)
+
+    def fail(self, sweep: Sweep, key: str, error: str) -> None:
+        self.failures.append(Failure(sweep, key, " ".join(error.split())[:300]))
+        self.counts.errors += 1
+
+    def exit_code(self, *, fail_on_discrepancy: bool) -> int:
+        """4: discrepancies found and asked to fail on them; 1: a key could not be
+        handled; else 0 (double charges found and refunded are a success)."""
+        if fail_on_discrepancy and self.counts.discrepancies:
+            return 4
+        return 1 if self.failures else 0
+
+
+def _stamp(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _done(report: Report, sweep: Sweep) -> int | str:
+    counts = report.counts
+    done: dict[Sweep, int | str] = {
+        "double_charges": counts.refunds,
+        "unknown_outcomes": counts.unknown_resolved,
+        "lost_messages": counts.republished,
+        "discrepancies": "-",  # never repaired here: a human decides
+    }
+    return done[sweep]
+
+
+def _found(report: Report, sweep: Sweep) -> int:
+    if sweep == "double_charges":
+        return report.counts.double_charges
+    if sweep == "discrepancies":
+        return report.counts.discrepancies
+    return len(report.findings[sweep])
+
+
+def _value(value: object) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _describe(detail: dict[str, Any]) -> str:
+    return "  ".join(f"{name}={_value(value)}" for name, value in detail.items())
+
+
+def table(report: Report) -> Iterator[str]:
+    """The human summary: one line per sweep, then every key each sweep touched."""
+    if report.skipped:
+        yield f"reconcile did nothing: {report.skipped}"
+        return
+    mode = "  (dry run: nothing changed)" if report.dry_run else ""
+    yield f"reconcile at {_stamp(report.started_at)}, gateway history since {_stamp(report.since)}"
+    yield f"{report.pages} page(s), {report.charges_seen} charge(s) read{mode}"
+    yield ""
+    yield f"{'sweep':<18} {'found':>6} {'done':>6} {'failed':>6}"
+    for sweep in SWEEPS:
+        failed = sum(1 for f in report.failures if f.sweep == sweep)
+        found, done = _found(report, sweep), _done(report, sweep)
+        yield f"{TITLES[sweep]:<18} {found:>6} {done!s:>6} {failed:>6}"
+    for sweep in SWEEPS:
+        if report.findings[sweep]:
+            yield ""
+            yield TITLES[sweep]
+            for item in report.findings[sweep]:
+                yield f"  {item.key:<24} {item.action:<28} {_describe(item.detail)}".rstrip()
+    if report.failures:
+        yield ""
+        yield "failed (left for the next run)"
+        for failure in report.failures:
+            yield f"  {failure.key:<24} {TITLES[failure.sweep]:<28} {failure.error}"
+
+
+def to_json(report: Report, *, exit_code: int) -> dict[str, Any]:
+    """The machine summary (`--json`)."""
+    if report.skipped:
+        return {"ran": False, "reason": report.skipped, "exit_code": exit_code}
+    return {
+        "ran": True,
+        "dry_run": report.dry_run,
+        "started_at": _stamp(report.started_at),
+        "since": _stamp(report.since),
+        "history": {"pages": report.pages, "charges": report.charges_seen},
+        "counts": asdict(report.counts),
+        **{
+            sweep: [
+                {
+                    "order_id": item.order_id,
+                    "billing_period": item.billing_period.isoformat(),
+                    "action": item.action,
+                    **item.detail,
+                }
+                for item in report.findings[sweep]
+            ]
+            for sweep in SWEEPS
+        },
+        "failures": [asdict(failure) for failure in report.failures],
+        "exit_code": exit_code,
+    }
+
+
+def write_metrics(report: Report, path: Path) -> None:
+    """Write the run's gauges in Prometheus text format (node-exporter textfile collector)."""
+    registry = CollectorRegistry()
+    counts = report.counts
+    gauges = {
+        "last_run_timestamp_seconds": (
+            "Unix time of the last reconcile run that finished.",
+            report.started_at.timestamp(),
+        ),
+        "double_charges": (
+            "Extra successful charges found for a key already charged (last run).",
+            counts.double_charges,
+        ),
+        "refunds": ("Extra charges refunded (last run).", counts.refunds),
+        "discrepancies": (
+            "Charges the ledger records that the gateway does not know (last run).",
+            counts.discrepancies,
+        ),
+        "unknown_resolved": (
+            "Unknown gateway outcomes resolved by lookup (last run).",
+            counts.unknown_resolved,
+        ),
+        "republished": (
+            "Quiet scheduled/pending charges re-published to the stream (last run).",
+            counts.republished,
+        ),
+        "errors": ("Keys a sweep could not handle (last run).", counts.errors),
+    }
+    for name, (help_text, value) in gauges.items():
+        Gauge(f"{METRIC_PREFIX}_{name}", help_text, registry=registry).set(value)
+    write_to_textfile(str(path), registry)

@@ -1,0 +1,248 @@
+"""Reconcile's sweeps over one ledger connection, and the two that start from open rows.
+
+| sweep            | looks at                                   | repairs by                     |
+|------------------|--------------------------------------------|--------------------------------|
+| double charges   | >1 `succeeded` gateway charge for one key  | refunding all but the one kept |
+| unknown outcomes | quiet, unleased `pending` rows that called | recording what a lookup finds  |
+| lost messages    | quiet, unleased `scheduled`/`pending` rows | re-publishing `charge.due/v1`  |
+| discrepancies    | `succeeded` rows the gateway does not know | nothing: reported for a human  |
+
+The first and the last compare the gateway's charges with the ledger and live in
+`reconcile_charges.py`; the middle two are here, with what all four share (`Sweeper`).
+
+Nothing here ever charges. Every ledger write is one statement guarded by the status and
+the fence (`attempt`) read before and by an expired lease, so it never races a worker that
+has just taken the row. A key that fails is reported and the sweep goes on; only
+`DependencyUnavailable` ends the run. The SQL lives in these modules, not in `ledger.py`:
+it is not the worker's hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import asyncpg
+import structlog
+from pydantic import ValidationError
+
+from charge_worker import events
+from charge_worker.errors import (
+    ChargeWorkerError,
+    DependencyUnavailable,
+    PoisonMessage,
+    SettingsError,
+)
+from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
+from charge_worker.reconcile_history import patiently
+from charge_worker.reconcile_report import Finding, Report, Sweep
+
+ACTOR = "reconcile"
+PROGRESS_EVERY = 100  # rows
+CHARGED = frozenset({"succeeded", "refunded"})
+log = structlog.get_logger("charge_worker.reconcile")
+Key = tuple[int, dt.date]
+
+# The state and fence read before, and no live lease: a worker that took the row wins.
+_SETTLE = """
+UPDATE charge_attempts
+   SET status = $4, gateway_charge_id = $5, last_error = $6, lease_owner = NULL,
+       lease_until = NULL, settled_at = now(), updated_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND status IN ('scheduled', 'pending')
+   AND attempt = $3 AND (lease_until IS NULL OR lease_until < now())
+"""
+
+_UNKNOWN = """
+SELECT order_id, billing_period, attempt FROM charge_attempts
+ WHERE status = 'pending' AND gateway_calls > 0
+   AND (lease_until IS NULL OR lease_until < now())
+   AND updated_at < now() - make_interval(secs => $1)
+ ORDER BY updated_at, order_id, billing_period
+"""
+
+_QUIET = """
+SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
+       due_at, status, attempt, updated_at
+  FROM charge_attempts
+ WHERE status IN ('scheduled', 'pending') AND (lease_until IS NULL OR lease_until < now())
+   AND updated_at < now() - make_interval(secs => $1)
+ ORDER BY updated_at, order_id, billing_period
+"""
+
+# Only the quiet clock moves; a row a worker has taken since (another attempt) is its own.
+_TOUCH = """
+UPDATE charge_attempts SET updated_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND status = $3 AND attempt = $4
+"""
+
+
+class Republisher(Protocol):
+    """Where lost messages go back to: the charges subject, with a fresh `Nats-Msg-Id`."""
+
+    async def republish(self, body: bytes, msg_id: str) -> int:
+        """Publish, wait for the ack, return the stream sequence."""
+
+
+def stamp(moment: dt.datetime) -> str:
+    """RFC 3339 in UTC, to the second."""
+    return moment.astimezone(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Sweeper:
+    """What every sweep of one run shares: the ledger connection (holding the run's lock),
+    the gateway, the publisher, the report, and the helpers that keep writes guarded."""
+
+    conn: asyncpg.Connection
+    gateway: GatewayClient
+    publisher: Republisher
+    report: Report
+    quiet_s: float
+    dry_run: bool = False
+    progress: Callable[[str], None] = lambda _line: None
+    # settled (or, dry, that would be) by an earlier sweep of this run: not re-published
+    settled: set[Key] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def each(self, sweep: Sweep, key: str) -> Iterator[None]:
+        """One broken key is reported and skipped; an unreachable (or unconfigured)
+        dependency ends the run."""
+        try:
+            yield
+        except (DependencyUnavailable, SettingsError):
+            raise
+        except ChargeWorkerError as error:
+            self._failed(sweep, key, f"{type(error).__name__}: {error}")
+        except (asyncpg.IntegrityConstraintViolationError, asyncpg.DataError) as error:
+            self._failed(sweep, key, f"the ledger refused the write: {error}")
+
+    def _failed(self, sweep: Sweep, key: str, error: str) -> None:
+        self.report.fail(sweep, key, error)
+        log.warning("reconcile.key_failed", sweep=sweep, key=key, error=error)
+
+    def tick(self, what: str, done: int, total: int) -> None:
+        """Progress on long sweeps, every `PROGRESS_EVERY` rows."""
+        if done % PROGRESS_EVERY == 0:
+            self.progress(f"reconcile: {what}: {done}/{total} rows")
+
+    async def event(self, key: Key, kind: str, **detail: Any) -> None:
+        """Append to the charge's story; losing an event never undoes what it records."""
+        try:
+            async with self.conn.transaction():  # a savepoint when inside a transaction
+                await events.record(self.conn, *key, kind, ACTOR, **detail)
+        except (asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError):
+            raise
+        except asyncpg.PostgresError as error:
+            key_ = idempotency_key(*key)
+            log.warning("reconcile.event_lost", kind=kind, key=key_, error=str(error))
+
+    async def settle(
+        self, key: Key, attempt: int, status: str, charge_id: str | None, error: str | None,
+        **detail: Any,
+    ) -> bool:  # fmt: skip
+        """The guarded write, with its `resolved` event; False if a worker took the row."""
+        async with self.conn.transaction():
+            result = await self.conn.execute(_SETTLE, *key, attempt, status, charge_id, error)
+            if result != "UPDATE 1":
+                return False
+            await self.event(key, "resolved", status=status, charge_id=charge_id, **detail)
+        self.settled.add(key)
+        return True
+
+
+async def unknown_outcomes(run: Sweeper) -> None:
+    """Sweep 2: record what the gateway did for quiet, unleased `pending` rows whose call
+    has no recorded outcome. A charge found: `succeeded`; a failed one: `declined`;
+    nothing: left pending for `lost_messages` (the worker looks up before charging)."""
+    rows = await run.conn.fetch(_UNKNOWN, run.quiet_s)
+    for done, row in enumerate(rows, 1):
+        run.tick("unknown outcomes", done, len(rows))
+        key = (row["order_id"], row["billing_period"])
+        with run.each("unknown_outcomes", idempotency_key(*key)):
+            await _resolve(run, key, row["attempt"])
+
+
+def _found(charges: list[GatewayCharge]) -> tuple[str, GatewayCharge] | None:
+    """What a lookup says happened: the earliest live charge, else a failed one."""
+    live = [c for c in charges if c.status == "succeeded"] or [
+        c for c in charges if c.status in CHARGED
+    ]
+    if live:
+        return "succeeded", live[0]
+    failed = [c for c in charges if c.status == "failed"]
+    return ("declined", failed[0]) if failed else None
+
+
+async def _resolve(run: Sweeper, key: Key, attempt: int) -> None:
+    found = _found(await patiently(run.gateway.lookup, *key))
+    if found is None:
+        run.report.add("unknown_outcomes", Finding(*key, "not found: re-publish", {}))
+        return
+    status, charge = found
+    detail = {"attempt": attempt, "charge_id": charge.id}
+    if run.dry_run:
+        run.settled.add(key)
+        action = f"would record {status}"
+    elif await run.settle(
+        key,
+        attempt,
+        status,
+        charge.id if status == "succeeded" else None,
+        None if status == "succeeded" else f"declined: charge {charge.id} failed (reconcile)",
+        lookup=charge.status,
+    ):
+        run.report.counts.unknown_resolved += 1
+        action = f"recorded {status}"
+    else:
+        action = "taken by a worker: left alone"
+    run.report.add("unknown_outcomes", Finding(*key, action, detail))
+
+
+async def lost_messages(run: Sweeper) -> None:
+    """Sweep 3: re-publish quiet, unleased `scheduled`/`pending` rows with a fresh
+    `Nats-Msg-Id`, and restart their quiet clock so the next run does not at once."""
+    rows = await run.conn.fetch(_QUIET, run.quiet_s)
+    for done, row in enumerate(rows, 1):
+        run.tick("lost messages", done, len(rows))
+        key = (row["order_id"], row["billing_period"])
+        if key not in run.settled:
+            with run.each("lost_messages", idempotency_key(*key)):
+                await _republish(run, key, row)
+
+
+def _message(row: asyncpg.Record) -> ChargeDue:
+    """The contract body rebuilt from a ledger row; `due_at` defaults to the period's start."""
+    period: dt.date = row["billing_period"]
+    due_at = row["due_at"] or dt.datetime.combine(period, dt.time(), tzinfo=dt.UTC)
+    fields = ("order_id", "subscription_id", "customer_id", "amount_minor", "currency")
+    try:
+        return ChargeDue.model_validate(
+            {"schema": SCHEMA, "billing_period": period, "due_at": due_at}
+            | {name: row[name] for name in fields}
+        )
+    except ValidationError as error:
+        why = error.errors()[0]["msg"]
+        raise PoisonMessage(f"the row makes no valid {SCHEMA} message: {why}") from error
+
+
+async def _republish(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
+    body = _message(row).to_json()
+    detail: dict[str, Any] = {"status": row["status"], "quiet_since": stamp(row["updated_at"])}
+    if run.dry_run:
+        run.report.add("lost_messages", Finding(*key, "would re-publish", detail))
+        return
+    # fresh each run: the producer's `charge:<key>` may still sit in the dedup window
+    msg_id = f"reconcile:{key[0]}:{key[1].isoformat()}:{int(time.time())}"
+    seq = await run.publisher.republish(body, msg_id)
+    run.report.counts.republished += 1
+    detail |= {"stream_seq": seq, "msg_id": msg_id}
+    async with run.conn.transaction():
+        await run.conn.execute(_TOUCH, *key, row["status"], row["attempt"])
+        why = f"{row['status']} and quiet since {detail['quiet_since']}"
+        await run.event(key, "republished", why=why, stream_seq=seq, msg_id=msg_id)
+    run.report.add("lost_messages", Finding(*key, "re-published", detail))

@@ -1,0 +1,185 @@
+"""`charge-worker reconcile` as the CronJob runs it: a subprocess, real servers, exit codes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from charge_worker.reconcile import LOCK_KEY
+from charge_worker.sandbox.embedded import free_port
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings
+
+PERIOD = "2026-12-01"
+API_KEY = "sk_test_sandbox"
+
+
+def reconcile(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("CHARGE_WORKER_")
+        and k not in ("NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY", "COLUMNS")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "charge_worker", "reconcile", *args],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def env(nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp) -> dict[str, str]:
+    return {
+        "NATS_URL": str(nats_settings.url),
+        "CHARGE_WORKER_STREAM": nats_settings.stream,
+        "CHARGE_WORKER_SUBJECT": nats_settings.subject,
+        "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
+        "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
+        "DATABASE_URL": database_url,
+        "GATEWAY_URL": gateway_sim.url,
+        "GATEWAY_API_KEY": API_KEY,
+    }
+
+
+@pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(database_url)
+    yield connection
+    await connection.close()
+
+
+async def charged(gateway_url: str, order_id: int, idempotency_key: str) -> str:
+    """A charge made straight at the gateway; returns its id."""
+    async with httpx.AsyncClient(base_url=gateway_url) as client:
+        response = await client.post(
+            "/v1/charges",
+            json={"amount": 99000, "currency": "RUB", "customer": "cus_ok",
+                  "metadata": {"order_id": str(order_id), "billing_period": PERIOD}},
+            headers={"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": idempotency_key},
+        )  # fmt: skip
+    assert response.status_code == 200, response.text
+    return str(response.json()["id"])
+
+
+async def succeeded_row(conn: asyncpg.Connection, order_id: int, charge_id: str) -> None:
+    await conn.execute(
+        """
+        INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
+            customer_id, amount_minor, currency, status, gateway_charge_id, gateway_calls,
+            attempt, settled_at)
+        VALUES ($1, $2, $3, $4, 'cus_ok', 99000, 'RUB', 'succeeded', $5, 1, 1, now())
+        """,
+        order_id, dt.date.fromisoformat(PERIOD), f"{order_id}:{PERIOD}", f"sub_{order_id}",
+        charge_id,
+    )  # fmt: skip
+
+
+async def charges(gateway_url: str) -> dict[str, str]:
+    async with httpx.AsyncClient() as client:
+        data = (await client.get(f"{gateway_url}/_sim/charges")).json()["data"]
+    return {c["id"]: c["status"] for c in data}
+
+
+async def set_sim(gateway_url: str, **config: Any) -> None:
+    async with httpx.AsyncClient() as client:
+        (await client.post(f"{gateway_url}/_sim/config", json=config)).raise_for_status()
+
+
+def gauges(path: Path) -> dict[str, float]:
+    families = text_string_to_metric_families(path.read_text())
+    return {s.name.removeprefix("charge_worker_reconcile_"): s.value
+            for family in families for s in family.samples}  # fmt: skip
+
+
+async def test_double_charge_dry_run_then_repair_then_nothing(
+    env: dict[str, str], conn: asyncpg.Connection, gateway_sim: ServedApp, tmp_path: Path
+) -> None:
+    kept = await charged(gateway_sim.url, 1, f"1:{PERIOD}")
+    await succeeded_row(conn, 1, kept)
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    extra = await charged(gateway_sim.url, 1, "a-second-key")
+    metrics = tmp_path / "reconcile.prom"
+
+    dry = reconcile("--dry-run", "--json", env=env)
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["dry_run"] is True
+    assert (report["counts"]["double_charges"], report["counts"]["refunds"]) == (1, 0)
+    assert report["double_charges"][0]["extra"] == [extra]
+    assert await charges(gateway_sim.url) == {kept: "succeeded", extra: "succeeded"}
+
+    repair = reconcile("--metrics-file", str(metrics), env=env)
+    assert repair.returncode == 0, repair.stderr
+    assert f"1:{PERIOD}" in repair.stdout
+    assert "refunded" in repair.stdout
+    assert await charges(gateway_sim.url) == {kept: "succeeded", extra: "refunded"}
+    assert gauges(metrics) | {"last_run_timestamp_seconds": 0} == {
+        "last_run_timestamp_seconds": 0, "double_charges": 1, "refunds": 1,
+        "discrepancies": 0, "unknown_resolved": 0, "republished": 0, "errors": 0,
+    }  # fmt: skip
+
+    again = reconcile("--json", "--metrics-file", str(metrics), env=env)
+    assert again.returncode == 0, again.stderr
+    assert set(json.loads(again.stdout)["counts"].values()) == {0}
+    assert gauges(metrics)["refunds"] == 0
+    assert await charges(gateway_sim.url) == {kept: "succeeded", extra: "refunded"}
+
+
+async def test_discrepancy_exits_4_only_when_asked_and_charges_nothing(
+    env: dict[str, str], conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    await succeeded_row(conn, 7, "ch_never_made")
+
+    failing = reconcile("--fail-on-discrepancy", env=env)
+    assert failing.returncode == 4, failing.stderr
+    assert f"7:{PERIOD}" in failing.stdout
+    assert "ch_never_made" in failing.stdout
+    reported = reconcile("--json", env=env)
+    assert reported.returncode == 0, reported.stderr
+    assert json.loads(reported.stdout)["counts"]["discrepancies"] == 1
+    assert await charges(gateway_sim.url) == {}
+
+
+async def test_another_reconcile_running_is_said_and_exits_0(
+    env: dict[str, str], conn: asyncpg.Connection, tmp_path: Path
+) -> None:
+    metrics = tmp_path / "reconcile.prom"
+    assert await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
+
+    result = reconcile("--metrics-file", str(metrics), env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert "another reconcile is running" in result.stdout
+    assert not metrics.exists()
+
+
+def test_unreachable_gateway_is_one_line_and_exit_1(env: dict[str, str]) -> None:
+    result = reconcile(env=env | {"GATEWAY_URL": f"http://127.0.0.1:{free_port()}"})
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    # "gateway history page 1: …": httpx-aiohttp maps a refused connection to ConnectTimeout
+    assert line.startswith("Error: DependencyUnavailable: gateway")
+    assert API_KEY not in result.stdout + result.stderr
+
+
+def test_unreachable_database_is_one_line_and_exit_1(env: dict[str, str]) -> None:
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    result = reconcile(env=env | {"DATABASE_URL": url})
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("Error: DependencyUnavailable: cannot connect to the database")

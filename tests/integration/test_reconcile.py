@@ -1,0 +1,497 @@
+"""Reconcile against real PostgreSQL, nats-server and the gateway simulator over HTTP.
+
+Each test builds the mess reconcile exists for (a double charge, a purged stream, a worker
+killed with an unknown outcome, a ledger charge the gateway never made, two runs at once)
+and ends by counting money at the gateway simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from nats.aio.client import Client
+from prometheus_client.parser import text_string_to_metric_families
+
+from charge_worker.reconcile import LOCK_KEY, reconcile_command, run_reconcile
+from charge_worker.reconcile_report import Counts
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings, Settings
+
+from .worker_harness import (
+    PERIOD,
+    due,
+    eventually,
+    gateway_charges,
+    provisioned,
+    publish,
+    running_worker,
+    set_sim,
+    settings_for,
+)
+
+NO_SCORING = "http://127.0.0.1:9"  # reconcile never scores
+QUIET_S = 3600.0  # older than reconcile_quiet_s (900 s by default)
+EXPIRED_S, LIVE_S = -60.0, 3600.0  # a lease run out a minute ago, or held for an hour
+
+
+def key(order_id: int) -> str:
+    return f"{order_id}:{PERIOD.isoformat()}"
+
+
+@pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(database_url)
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
+def settings(nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp) -> Settings:
+    return settings_for(nats_settings, database_url, gateway_sim.url, NO_SCORING)
+
+
+async def put_row(
+    conn: asyncpg.Connection,
+    order_id: int,
+    status: str,
+    *,
+    customer: str = "cus_ok",
+    gateway_calls: int = 0,
+    lease_s: float | None = None,
+    charge_id: str | None = None,
+    quiet_for_s: float = QUIET_S,
+) -> None:
+    """A ledger row as the producer or a worker leaves it; `lease_s` < 0 is expired."""
+    await conn.execute(
+        """
+        INSERT INTO charge_attempts (
+            order_id, billing_period, idempotency_key, subscription_id, customer_id,
+            amount_minor, currency, due_at, status, gateway_calls, gateway_charge_id,
+            lease_owner, lease_until, attempt, updated_at, settled_at)
+        VALUES ($1, $2, $3, $4, $5, 99000, 'RUB', $6, $7, $8, $9,
+                CASE WHEN $10::float8 IS NOT NULL THEN 'killed-worker' END,
+                now() + make_interval(secs => $10::float8),
+                CASE WHEN $7 = 'scheduled' THEN 0 ELSE 1 END,
+                now() - make_interval(secs => $11::float8),
+                CASE WHEN $7 NOT IN ('scheduled', 'pending') THEN now() END)
+        """,
+        order_id, PERIOD, key(order_id), f"sub_{order_id}", customer,
+        dt.datetime(2026, 12, 1, tzinfo=dt.UTC), status, gateway_calls, charge_id,
+        lease_s, quiet_for_s,
+    )  # fmt: skip
+
+
+async def post_charge(
+    gateway_url: str, order_id: int, *, idempotency_key: str | None = None, customer: str = "cus_ok"
+) -> httpx.Response:
+    """A charge made straight at the gateway, as a worker's lost request (or a bug) made it."""
+    body = {
+        "amount": 99000,
+        "currency": "RUB",
+        "customer": customer,
+        "metadata": {"order_id": str(order_id), "billing_period": PERIOD.isoformat()},
+    }
+    headers = {
+        "Authorization": "Bearer sk_test_sandbox",
+        "Idempotency-Key": idempotency_key or key(order_id),
+    }
+    async with httpx.AsyncClient(base_url=gateway_url) as client:
+        return await client.post("/v1/charges", json=body, headers=headers)
+
+
+async def charge_id(gateway_url: str, order_id: int, **kwargs: Any) -> str:
+    response = await post_charge(gateway_url, order_id, **kwargs)
+    assert response.status_code == 200, response.text
+    return str(response.json()["id"])
+
+
+async def sim(gateway_url: str, path: str) -> Any:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"{gateway_url}{path}")).json()
+
+
+async def charge_statuses(gateway_url: str) -> dict[str, str]:
+    return {c["id"]: c["status"] for c in (await sim(gateway_url, "/_sim/charges"))["data"]}
+
+
+async def ledger(conn: asyncpg.Connection) -> dict[int, tuple[str, str | None]]:
+    rows = await conn.fetch("SELECT order_id, status, gateway_charge_id FROM charge_attempts")
+    return {r["order_id"]: (r["status"], r["gateway_charge_id"]) for r in rows}
+
+
+async def story(conn: asyncpg.Connection, kind: str) -> list[tuple[int, dict[str, Any]]]:
+    rows = await conn.fetch(
+        "SELECT order_id, actor, detail FROM charge_events WHERE kind = $1 ORDER BY id", kind
+    )
+    assert all(r["actor"] == "reconcile" for r in rows)
+    return [(r["order_id"], json.loads(r["detail"])) for r in rows]
+
+
+@pytest.mark.parametrize("extra_first", [False, True], ids=["extra_after", "extra_before"])
+async def test_forced_double_charge_refunds_exactly_the_extra_one(
+    nc: Client, nats_settings: NatsSettings, database_url: str, conn: asyncpg.Connection,
+    gateway_sim: ServedApp, scoring_sim: ServedApp, extra_first: bool,
+) -> None:  # fmt: skip
+    """The ledger's charge is kept whether it is the earlier or the later of the two."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    js = await provisioned(nc, settings)
+    # a gateway that forgot its keys, and a second request for the same charge
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    if extra_first:
+        extra = await charge_id(gateway_sim.url, 1, idempotency_key="manual-retry-1")
+    async with running_worker(settings):
+        await publish(js, settings.nats.subject, due(1))
+        await eventually(lambda: _status(conn, 1, "succeeded"), "the worker's charge")
+        [(_, kept)] = (await ledger(conn)).values()
+        assert kept is not None
+        if not extra_first:
+            extra = await charge_id(gateway_sim.url, 1, idempotency_key="manual-retry-1")
+
+        dry = await run_reconcile(settings, dry_run=True)
+        assert (dry.counts.double_charges, dry.counts.refunds) == (1, 0)
+        [found] = dry.findings["double_charges"]
+        assert (found.key, found.action) == (key(1), "would refund")
+        assert found.detail == {"kept": kept, "ledger": "recorded", "extra": [extra]}
+        assert await charge_statuses(gateway_sim.url) == {kept: "succeeded", extra: "succeeded"}
+        assert await story(conn, "refund") == []
+
+        repaired = await run_reconcile(settings)  # next to the live worker
+        assert (repaired.counts.double_charges, repaired.counts.refunds) == (1, 1)
+        assert not repaired.failures
+        assert await charge_statuses(gateway_sim.url) == {kept: "succeeded", extra: "refunded"}
+        assert await ledger(conn) == {1: ("succeeded", kept)}
+        [(_, refund)] = await story(conn, "refund")
+        assert (refund["charge_id"], refund["kept"], refund["reason"]) == (extra, kept, "duplicate")
+
+        again = await run_reconcile(settings)
+        assert again.counts == Counts()
+        assert again.findings["double_charges"] == []
+    assert (await sim(gateway_sim.url, "/_sim/stats"))["refunds"] == 1
+
+
+async def _status(conn: asyncpg.Connection, order_id: int, status: str) -> bool:
+    row = (await ledger(conn)).get(order_id)
+    return row is not None and row[0] == status
+
+
+@pytest.mark.parametrize(("lease_s", "row_after"), [(EXPIRED_S, "succeeded"), (LIVE_S, "pending")])
+async def test_double_charge_nobody_recorded_keeps_the_earliest(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp, lease_s: float,
+    row_after: str,
+) -> None:  # fmt: skip
+    """A pending row (the worker died, or is still at it) and two charges at the gateway:
+    the earliest stays, the other is refunded; the row records the earliest only when no
+    live worker holds it."""
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    earliest = await charge_id(gateway_sim.url, 1)
+    later = await charge_id(gateway_sim.url, 1)
+    await put_row(conn, 1, "pending", gateway_calls=2, lease_s=lease_s, quiet_for_s=0)
+
+    report = await run_reconcile(settings)
+
+    assert (report.counts.double_charges, report.counts.refunds) == (1, 1)
+    assert await charge_statuses(gateway_sim.url) == {earliest: "succeeded", later: "refunded"}
+    recorded = earliest if row_after == "succeeded" else None
+    assert await ledger(conn) == {1: (row_after, recorded)}
+    lease = await conn.fetchval("SELECT lease_until > now() FROM charge_attempts")
+    assert lease is (True if lease_s > 0 else None)  # a live worker's lease is untouched
+    assert len(await story(conn, "resolved")) == (1 if row_after == "succeeded" else 0)
+
+
+async def test_history_is_paged_through_to_a_double_charge_on_a_later_page(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    for order_id in range(100, 250):  # one and a half pages of single charges
+        await charge_id(gateway_sim.url, order_id)
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    kept = await charge_id(gateway_sim.url, 1)
+    extra = await charge_id(gateway_sim.url, 1, idempotency_key="again")
+    await put_row(conn, 1, "succeeded", charge_id=kept)
+
+    code = await reconcile_command(
+        settings, since=None, dry_run=False, as_json=True, fail_on_discrepancy=True,
+        metrics_file=None,
+    )  # fmt: skip
+
+    assert code == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["history"] == {"pages": 2, "charges": 152}
+    assert "gateway history page 2, 152 charges" in printed.err
+    assert (await charge_statuses(gateway_sim.url))[extra] == "refunded"
+
+
+async def test_purged_stream_every_due_charge_republished_and_charged_once(
+    nc: Client, nats_settings: NatsSettings, database_url: str, conn: asyncpg.Connection,
+    gateway_sim: ServedApp, scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    """A broker that lost acknowledged messages: the ledger still knows every due charge."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    js = await provisioned(nc, settings)
+    await put_row(conn, 1, "scheduled")
+    await put_row(conn, 2, "scheduled")
+    await put_row(conn, 3, "pending", lease_s=EXPIRED_S)  # claimed, worker killed before the call
+    await put_row(conn, 4, "pending", lease_s=EXPIRED_S, gateway_calls=1)  # call never arrived
+    for n in (1, 2, 3, 4):  # as the producer publishes them: inside the dedup window
+        await publish(js, settings.nats.subject, due(n), msg_id=f"charge:{key(n)}")
+    await js.purge_stream(settings.nats.stream)
+    assert (await js.stream_info(settings.nats.stream)).state.messages == 0
+
+    async with running_worker(settings):
+        report = await run_reconcile(settings)
+        assert report.counts.republished == 4
+        assert not report.failures
+        assert [(f.key, f.action) for f in report.findings["unknown_outcomes"]] == [
+            (key(4), "not found: re-publish")
+        ]
+        for found in report.findings["lost_messages"]:
+            message = await js.get_msg(settings.nats.stream, found.detail["stream_seq"])
+            assert message.headers is not None
+            assert message.headers["Nats-Msg-Id"].startswith(f"reconcile:{found.key}:")
+        await eventually(lambda: _all(conn, "succeeded", 4), "every re-published charge settled")
+        again = await run_reconcile(settings)
+        assert again.counts.republished == 0
+    assert await gateway_charges(gateway_sim.url) == {key(n): 1 for n in (1, 2, 3, 4)}
+    assert {order for order, _ in await story(conn, "republished")} == {1, 2, 3, 4}
+
+
+async def _all(conn: asyncpg.Connection, status: str, count: int) -> bool:
+    rows = await ledger(conn)
+    return len(rows) == count and all(s == status for s, _ in rows.values())
+
+
+async def test_unknown_outcomes_of_a_killed_worker_are_resolved_by_lookup(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    await provisioned(nc, settings)
+    charged = await charge_id(gateway_sim.url, 1)
+    declined = await post_charge(gateway_sim.url, 2, customer="cus_decline_2")
+    assert declined.status_code == 402
+    held = await charge_id(gateway_sim.url, 3)
+    await put_row(conn, 1, "pending", gateway_calls=1, lease_s=EXPIRED_S)
+    await put_row(conn, 2, "pending", gateway_calls=1, lease_s=EXPIRED_S, customer="cus_decline_2")
+    await put_row(conn, 3, "pending", gateway_calls=1, lease_s=LIVE_S)  # a live worker's
+    await put_row(conn, 4, "pending", gateway_calls=1, lease_s=EXPIRED_S)  # never charged
+    charges_before = await charge_statuses(gateway_sim.url)
+
+    report = await run_reconcile(settings)
+
+    assert {f.key: f.action for f in report.findings["unknown_outcomes"]} == {
+        key(1): "recorded succeeded",
+        key(2): "recorded declined",
+        key(4): "not found: re-publish",
+    }
+    assert report.counts.unknown_resolved == 2
+    assert await ledger(conn) == {
+        1: ("succeeded", charged),
+        2: ("declined", None),
+        3: ("pending", None),
+        4: ("pending", None),
+    }
+    assert [f.key for f in report.findings["lost_messages"]] == [key(4)]
+    assert report.counts.discrepancies == 0  # what it just recorded agrees with the gateway
+    assert await charge_statuses(gateway_sim.url) == charges_before  # nothing charged
+    assert held in charges_before
+    resolved = await story(conn, "resolved")
+    assert [(order, detail["status"]) for order, detail in resolved] == [
+        (1, "succeeded"),
+        (2, "declined"),
+    ]
+
+    again = await run_reconcile(settings)  # 4 was re-published just now: not again yet
+    assert again.counts == Counts()
+    assert all(not items for items in again.findings.values())
+
+
+async def test_a_row_a_worker_takes_meanwhile_is_left_to_it(
+    settings: Settings, database_url: str, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """Reconcile read the row (attempt 1, lease expired) and looked it up; before its write
+    lands, a worker takes the row over. The guarded write must then change nothing."""
+    await charge_id(gateway_sim.url, 1)
+    await put_row(conn, 1, "pending", gateway_calls=1, lease_s=EXPIRED_S)
+    worker = conn.transaction()
+    await worker.start()
+    await conn.execute("SELECT 1 FROM charge_attempts WHERE order_id = 1 FOR UPDATE")
+    running = asyncio.create_task(run_reconcile(settings))
+    await eventually(lambda: running.done() or _waiting_on_the_row(database_url), "it waits")
+    assert not running.done()
+    # what ledger.claim does to a row whose lease ran out
+    await conn.execute(
+        "UPDATE charge_attempts SET attempt = attempt + 1, lease_owner = 'live-worker', "
+        "lease_until = now() + interval '30 seconds', updated_at = now() WHERE order_id = 1"
+    )
+    await worker.commit()
+
+    report = await running
+
+    assert [f.action for f in report.findings["unknown_outcomes"]] == [
+        "taken by a worker: left alone"
+    ]
+    assert report.counts.unknown_resolved == 0
+    row = await conn.fetchrow("SELECT status, attempt, lease_owner FROM charge_attempts")
+    assert tuple(row.values()) == ("pending", 2, "live-worker")
+    assert await story(conn, "resolved") == []
+
+
+async def test_one_broken_key_is_reported_and_the_sweep_goes_on(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    await provisioned(nc, settings)
+    first = await charge_id(gateway_sim.url, 1)
+    second = await charge_id(gateway_sim.url, 2)
+    # a corrupt ledger: order 9 claims order 1's charge, so 1 cannot record it
+    await put_row(conn, 9, "succeeded", charge_id=first)
+    await put_row(conn, 1, "pending", gateway_calls=1, lease_s=EXPIRED_S)
+    await put_row(conn, 2, "pending", gateway_calls=1, lease_s=EXPIRED_S)
+
+    report = await run_reconcile(settings)
+
+    assert [(f.sweep, f.key) for f in report.failures] == [("unknown_outcomes", key(1))]
+    assert "ledger refused" in report.failures[0].error
+    assert (await ledger(conn))[2] == ("succeeded", second)
+    assert [f.key for f in report.findings["discrepancies"]] == [key(9)]  # not its charge
+    assert report.exit_code(fail_on_discrepancy=False) == 1
+
+
+async def test_ledger_charge_unknown_to_the_gateway_is_reported_never_charged(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    real = await charge_id(gateway_sim.url, 1)
+    await put_row(conn, 1, "succeeded", charge_id=real)
+    await put_row(conn, 2, "succeeded", charge_id="ch_the_gateway_never_made")
+    command = {"since": None, "dry_run": False, "as_json": False, "metrics_file": None}
+
+    assert await reconcile_command(settings, fail_on_discrepancy=True, **command) == 4
+    out = capsys.readouterr().out
+    assert "discrepancies" in out
+    assert key(2) in out
+    assert "ch_the_gateway_never_made" in out
+    assert key(1) not in out
+
+    assert await reconcile_command(settings, fail_on_discrepancy=False, **command) == 0
+    assert await charge_statuses(gateway_sim.url) == {real: "succeeded"}  # nothing charged
+    assert await ledger(conn) == {
+        1: ("succeeded", real),
+        2: ("succeeded", "ch_the_gateway_never_made"),
+    }
+    [(order, detail)] = await story(conn, "discrepancy")  # once, not once per run
+    assert (order, detail["ledger_charge_id"]) == (2, "ch_the_gateway_never_made")
+
+
+async def test_a_charge_made_before_the_window_is_confirmed_not_reported(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """A row settled inside the window whose charge is older than it (a late lookup):
+    the page does not show the charge, the key's lookup does."""
+    made = await charge_id(gateway_sim.url, 1)
+    await put_row(conn, 1, "succeeded", charge_id=made)
+    await conn.execute("UPDATE charge_attempts SET settled_at = now() + interval '1 day'")
+    after_it = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+
+    report = await run_reconcile(settings, since=after_it)
+
+    assert report.charges_seen == 0
+    assert report.counts.discrepancies == 0
+
+
+async def test_two_reconciles_at_once_one_works_and_the_other_stands_aside(
+    settings: Settings, database_url: str, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    earliest = await charge_id(gateway_sim.url, 1)
+    later = await charge_id(gateway_sim.url, 1, idempotency_key="again")
+    await put_row(conn, 1, "pending", gateway_calls=2, lease_s=EXPIRED_S, quiet_for_s=0)
+    # hold the row, so the first run stops inside its work (recording `earliest`)
+    blocker = conn.transaction()
+    await blocker.start()
+    await conn.execute("SELECT 1 FROM charge_attempts WHERE order_id = 1 FOR UPDATE")
+    first = asyncio.create_task(run_reconcile(settings))
+    await eventually(lambda: first.done() or _waiting_on_the_row(database_url), "first inside")
+    assert not first.done()
+
+    second = await run_reconcile(settings)
+
+    assert second.skipped is not None
+    assert "another reconcile is running" in second.skipped
+    assert second.counts == Counts()
+    await blocker.rollback()
+    report = await first
+    assert report.counts.refunds == 1
+    assert await charge_statuses(gateway_sim.url) == {earliest: "succeeded", later: "refunded"}
+    assert (await sim(gateway_sim.url, "/_sim/stats"))["refunds"] == 1
+    assert await ledger(conn) == {1: ("succeeded", earliest)}
+
+
+async def _waiting_on_the_row(database_url: str) -> bool:
+    watcher = await asyncpg.connect(database_url)
+    try:
+        waiting = await watcher.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'charge-worker reconcile' AND wait_event_type = 'Lock'"
+        )
+    finally:
+        await watcher.close()
+    return bool(waiting)
+
+
+async def test_metrics_file_and_json_carry_the_run(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    await provisioned(nc, settings)
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    await put_row(conn, 1, "succeeded", charge_id=await charge_id(gateway_sim.url, 1))
+    await charge_id(gateway_sim.url, 1, idempotency_key="again")  # a double charge
+    await put_row(conn, 2, "succeeded", charge_id="ch_unknown")  # a discrepancy
+    await charge_id(gateway_sim.url, 3)
+    await put_row(conn, 3, "pending", gateway_calls=1, lease_s=EXPIRED_S)  # an unknown outcome
+    await put_row(conn, 4, "scheduled")  # a lost message
+    path = tmp_path / "reconcile.prom"
+    before = time.time()
+
+    code = await reconcile_command(
+        settings, since=None, dry_run=False, as_json=True, fail_on_discrepancy=False,
+        metrics_file=path,
+    )  # fmt: skip
+
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    figures = {"double_charges": 1, "refunds": 1, "discrepancies": 1, "unknown_resolved": 1,
+               "republished": 1, "errors": 0}  # fmt: skip
+    assert printed["counts"] == figures
+    assert [item["order_id"] for item in printed["lost_messages"]] == [4]
+    assert printed["exit_code"] == 0
+    written = _gauges(path)
+    assert written.pop("charge_worker_reconcile_last_run_timestamp_seconds") >= int(before)
+    assert written == {f"charge_worker_reconcile_{name}": value for name, value in figures.items()}
+
+    # a run that finds the lock taken leaves the file of the run that holds it alone
+    content = path.read_text()
+    holder = await asyncpg.connect(settings.db.url)
+    try:
+        assert await holder.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
+        code = await reconcile_command(
+            settings, since=None, dry_run=False, as_json=True, fail_on_discrepancy=True,
+            metrics_file=path,
+        )  # fmt: skip
+    finally:
+        await holder.close()
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["ran"] is False
+    assert path.read_text() == content
+
+
+def _gauges(path: Path) -> dict[str, float]:
+    families = text_string_to_metric_families(path.read_text())
+    return {sample.name: sample.value for family in families for sample in family.samples}
