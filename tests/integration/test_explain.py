@@ -1,0 +1,92 @@
+"""`explain` tells each story the product lives through, from the events every part writes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from nats.aio.client import Client
+
+from charge_worker.explain import explain_command
+from charge_worker.producer import produce
+from charge_worker.reconcile import run_reconcile
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings, Settings
+
+from .test_producer import DAY, Sub, add_subscriptions
+from .test_reconcile import charge_id, put_row
+from .worker_harness import eventually, provisioned, running_worker, set_sim, settings_for
+
+
+@pytest.fixture
+def settings(
+    nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp, scoring_sim: ServedApp
+) -> Settings:
+    return settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+
+
+@pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(database_url)
+    yield connection
+    await connection.close()
+
+
+async def told(settings: Settings, order_id: int, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert await explain_command(settings, order_id, DAY, as_json=False, ask_gateway=True) == 0
+    return capsys.readouterr().out
+
+
+async def test_scheduled_published_charged_then_a_double_refunded(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    await provisioned(nc, settings)
+    await add_subscriptions(str(settings.db.url), Sub("sub_1", 1))
+    await produce(settings, DAY)
+    async with running_worker(settings):
+
+        async def charged() -> bool:
+            status = await conn.fetchval("SELECT status FROM charge_attempts WHERE order_id = 1")
+            return bool(status == "succeeded")
+
+        await eventually(charged, "the charge settled")
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    extra = await charge_id(gateway_sim.url, 1, idempotency_key="a-forgotten-key")
+    await run_reconcile(settings)
+    story = await told(settings, 1, capsys)
+    lines = story.splitlines()
+    kinds = [line.split()[2] for line in lines if line.startswith("  20")]
+    assert kinds == ["scheduled", "published", "gateway_call", "delivery", "refund"]
+    assert "charged -> ack" in story
+    assert f"charge_id {extra}" in story
+    assert "refunded" in story  # the gateway's view of the extra charge
+
+
+async def test_unknown_outcome_resolved_by_reconcile(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    await put_row(conn, 2, "pending", gateway_calls=1, lease_s=-60.0)
+    made = await charge_id(gateway_sim.url, 2)  # the killed worker's call went through
+    await run_reconcile(settings)
+    story = await told(settings, 2, capsys)
+    assert f"charge 2:{DAY.isoformat()}: succeeded {made}" in story
+    assert "resolved" in story
+
+
+async def test_quiet_charge_republished_by_reconcile(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await provisioned(nc, settings)
+    await put_row(conn, 3, "scheduled")
+    await run_reconcile(settings)
+    story = await told(settings, 3, capsys)
+    assert "republished" in story
+    assert "scheduled" in story.splitlines()[0]
+
+
+async def test_unknown_charge_exits_1(settings: Settings) -> None:
+    assert await explain_command(settings, 999, DAY, as_json=True, ask_gateway=False) == 1
