@@ -119,11 +119,13 @@ class Consumer:
 
     async def _handle(self, msg: Msg, fetched_at: float) -> None:
         meta = msg.metadata
+        headers = msg.headers or {}
         delivery = Delivery(
             data=msg.data,
             stream_seq=meta.sequence.stream,
             num_delivered=meta.num_delivered,
-            traceparent=(msg.headers or {}).get("traceparent"),
+            traceparent=headers.get("traceparent"),
+            replayed=headers.get("Nats-Msg-Id", "").startswith("replay:"),
         )
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()

@@ -47,7 +47,8 @@ WITH inserted AS (
      WHERE c.order_id = $1 AND c.billing_period = $2
        AND c.fingerprint = $6::bigint::text || ' ' || $7 || ' ' || $5
        AND (c.status = 'scheduled'
-            OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now())))
+            OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now()))
+            OR ($12 AND c.status = 'failed' AND c.gateway_calls = 0))
     RETURNING c.attempt, c.gateway_calls, c.scoring, p.lease_owner AS taken_from
 )
 SELECT attempt, gateway_calls, scoring, NULL::text AS taken_from FROM inserted
@@ -158,8 +159,13 @@ class Ledger:
         self.pool = pool
         self.lease_s = lease_s
 
-    async def claim(self, charge: ChargeDue, owner: str, stream_seq: int) -> Claim:
+    async def claim(
+        self, charge: ChargeDue, owner: str, stream_seq: int, *, revive_failed: bool = False
+    ) -> Claim:
         """Take the charge for `owner`, or raise what stands in the way.
+
+        `revive_failed` (an operator's `dlq replay`) also takes a `failed` row that never
+        reached the gateway, so a charge dead-lettered for a bug can be charged once fixed.
 
         Raises `AlreadySettled` (final already), `PayloadConflict` (same key, other
         amount/currency/customer), `LeaseHeld` (a live worker owns it).
@@ -178,6 +184,7 @@ class Ledger:
                 owner,
                 self.lease_s,
                 stream_seq,
+                revive_failed,
             )
             if row is not None:
                 return Claim(*key, owner, *row.values())

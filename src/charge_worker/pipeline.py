@@ -38,6 +38,7 @@ class Delivery:
     stream_seq: int
     num_delivered: int
     traceparent: str | None = None
+    replayed: bool = False  # republished from the dead-letter stream by an operator
 
 
 @dataclass
@@ -75,7 +76,9 @@ class Pipeline:
         done = Processed(Result(Outcome.UNAVAILABLE), delivery.traceparent)
         try:
             done.charge = parse(delivery.data)
-            done.claim = await self.ledger.claim(done.charge, self.owner, delivery.stream_seq)
+            done.claim = await self.ledger.claim(
+                done.charge, self.owner, delivery.stream_seq, revive_failed=delivery.replayed
+            )
             self.failpoints.hit("after_claim")
             done.result = await self._charge(done)
         except ChargeWorkerError as error:

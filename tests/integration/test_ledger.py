@@ -174,3 +174,20 @@ async def test_give_up_fails_only_rows_never_sent(ledger: Ledger, pool: asyncpg.
     await ledger.begin_gateway_call(sent, scoring=None, deferred_reason=None)
     await ledger.give_up(sent, "max deliveries")
     assert (await row(pool, 2))["status"] == "pending"  # the outcome may be unknown
+
+
+async def test_only_a_replay_revives_a_failed_row_that_never_reached_the_gateway(
+    ledger: Ledger,
+) -> None:
+    crashed = await ledger.claim(charge(order_id=1), "w1", 1)
+    await ledger.give_up(crashed, "max deliveries")  # failed, gateway never called
+    with pytest.raises(AlreadySettled):
+        await ledger.claim(charge(order_id=1), "w2", 2)
+    revived = await ledger.claim(charge(order_id=1), "w2", 3, revive_failed=True)
+    assert revived.attempt == crashed.attempt + 1
+
+    rejected = await ledger.claim(charge(order_id=2), "w1", 4)
+    await ledger.begin_gateway_call(rejected, scoring=None, deferred_reason=None)
+    await ledger.settle(rejected, "failed", error="gateway 400")  # the gateway saw it
+    with pytest.raises(AlreadySettled):
+        await ledger.claim(charge(order_id=2), "w2", 5, revive_failed=True)

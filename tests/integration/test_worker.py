@@ -16,6 +16,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from charge_worker.dlq import DeadLetters
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import PostgresServer
 from charge_worker.sandbox.serve import ServedApp
@@ -233,6 +234,15 @@ async def test_max_deliveries_dead_letters_with_the_original_payload(
     assert "after_claim" in headers["Dlq-Error"]
     assert await statuses(database_url) == {14: "failed"}  # never sent to the gateway
     assert await gateway_charges(gateway_sim.url) == {}
+
+    fixed = settings.model_copy(update={"worker": settings.worker.model_copy(
+        update={"failpoints": ""})})  # fmt: skip
+    async with running_worker(fixed):  # the bug is fixed; the operator replays
+        report = await DeadLetters(js, settings.nats).replay([1])
+        assert report.replayed == [1]
+        await eventually(settled(database_url, 1), "charged after the replay")
+    assert await statuses(database_url) == {14: "succeeded"}
+    assert await gateway_charges(gateway_sim.url) == {"14:2026-12-01": 1}
 
 
 async def test_a_dependency_outage_past_max_deliver_requeues_instead_of_dead_lettering(
