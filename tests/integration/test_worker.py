@@ -7,6 +7,8 @@ incident's code (no claim, no heartbeat, no idempotency).
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from collections.abc import Awaitable, Callable
 
 import asyncpg
@@ -15,6 +17,7 @@ import pytest
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from prometheus_client.parser import text_string_to_metric_families
 
 from charge_worker.dlq import DeadLetters
 from charge_worker.migrate import migrate
@@ -360,3 +363,50 @@ async def test_consumer_and_dead_letter_gauges(
         await eventually(lambda: worker.metric("charge_worker_dlq_messages") == 1, "DLQ gauge")
         await eventually(settled(database_url, 1), "charged")
         assert worker.metric("charge_worker_consumer_max_ack_pending") == 1000
+
+
+async def test_metrics_scraped_after_redeliveries_and_dead_letters(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    """What Prometheus would scrape: the counters the alerts read, at the right values."""
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
+        scoring_policy="hold", ack_wait_s=1.0, backoff_s=(1.0, 1.0), heartbeat_s=0.3,
+        scoring_breaker_failures=100,
+    )  # fmt: skip
+    await set_sim(scoring_sim.url, error_rate=1.0)  # the first delivery finds no verdict
+    js = await provisioned(nc, settings)
+    await publish(js, settings.nats.subject, b"{not json")
+    await publish(js, settings.nats.subject, due(71))
+    async with running_worker(settings) as worker:
+        await eventually(
+            lambda: worker.metric("charge_worker_messages_total", outcome="unavailable",
+                                  action="nak") == 1,
+            "the first delivery nak'd",
+        )  # fmt: skip
+        await set_sim(scoring_sim.url, error_rate=0.0)
+        await eventually(settled(database_url, 1), "charged on the redelivery")
+        async with httpx.AsyncClient(base_url=worker.http_url) as client:
+            exposition = (await client.get("/metrics")).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+    }
+    assert samples[("charge_worker_redeliveries_total", ())] == 1
+    assert samples[("charge_worker_dead_letters_total", (("reason", "poison"),))] == 1
+    charged = (("action", "ack"), ("outcome", "charged"))
+    assert samples[("charge_worker_messages_total", charged)] == 1
+    assert samples[("charge_worker_charges_total", (("result", "charged"),))] == 1
+    assert samples[("charge_worker_scoring_total", (("result", "failed_hold"),))] == 1
+    if shutil.which("promtool"):  # Prometheus' own view of the names, types and help
+        checked = await asyncio.to_thread(
+            subprocess.run,
+            ["promtool", "check", "metrics"],
+            input=exposition,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
