@@ -201,3 +201,25 @@ async def test_a_refused_connection_is_known_unsent_not_an_unknown_outcome() -> 
             await gateway.lookup(1, PERIOD)
     finally:
         await gateway.aclose()
+
+
+async def test_readiness_flips_with_nats(
+    own_nats: NatsServer, nats_settings: NatsSettings, database_url: str,
+    gateway_sim: ServedApp, scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    cfg = nats_settings.model_copy(update={"url": own_nats.url})
+    settings = settings_for(cfg, database_url, gateway_sim.url, scoring_sim.url)
+    async with (
+        running_worker(settings) as worker,
+        httpx.AsyncClient(base_url=worker.http_url) as client,
+    ):
+        assert (await client.get("/readyz")).status_code == 200
+        await asyncio.to_thread(own_nats.terminate)
+
+        async def says(status: int, words: str) -> bool:
+            answer = await client.get("/readyz")
+            return answer.status_code == status and words in answer.text
+
+        await eventually(lambda: says(503, "not connected to NATS"), "not ready without NATS")
+        await asyncio.to_thread(own_nats.start)
+        await eventually(lambda: says(200, "ready"), "ready again")
