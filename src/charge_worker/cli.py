@@ -219,6 +219,19 @@ def explain(order_id: int, billing_period: dt.datetime, as_json: bool, ask_gatew
     )
 
 
+@main.command()
+def webhooks() -> None:
+    """Receive the gateway's webhooks: verify, journal, answer 2xx fast; apply them in order.
+
+    Serves POST /webhooks/gateway on CHARGE_WORKER_WEBHOOK_PORT (default 8081), signed per
+    Standard Webhooks with CHARGE_WORKER_WEBHOOK_SECRETS (comma-separated, for rotation).
+    Journaled events are applied to the ledger by revision, after any crash. Stops on SIGTERM.
+    """
+    from charge_worker.webhooks import serve_command  # noqa: PLC0415
+
+    raise SystemExit(_run(serve_command(_settings())))
+
+
 @main.group()
 def dlq() -> None:
     """Inspect and replay the dead letters kept in the dead-letter stream (CHARGES_DLQ).

@@ -131,6 +131,25 @@ class ReconcileSettings(_Group):
     reconcile_quiet_s: float = Field(900.0, gt=0)
 
 
+class WebhookSettings(_Group):
+    """The gateway-webhook receiver (`charge-worker webhooks`) and its journal."""
+
+    webhook_host: str = "0.0.0.0"  # noqa: S104  # the gateway calls in from outside the pod
+    webhook_port: int = Field(8081, ge=0, le=65535)
+    webhook_secrets: Annotated[tuple[SecretStr, ...], NoDecode] = ()
+    webhook_max_bytes: int = Field(256 * 1024, ge=1024)
+    webhook_tolerance_s: float = Field(300.0, gt=0)
+    # the gateway retries a delivery for up to 3 days: keep the journal at least that long
+    webhook_retention_s: float = Field(3 * 86400.0, ge=3 * 86400.0)
+
+    @field_validator("webhook_secrets", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+
 class HttpSettings(_Group):
     """The worker's own HTTP surface: /metrics, /healthz, /readyz."""
 
@@ -161,6 +180,7 @@ class Settings(BaseModel):
     scoring: ScoringSettings = _group(ScoringSettings)
     gateway: GatewaySettings = _group(GatewaySettings)
     reconcile: ReconcileSettings = _group(ReconcileSettings)
+    webhooks: WebhookSettings = _group(WebhookSettings)
     http: HttpSettings = _group(HttpSettings)
     log: LogSettings = _group(LogSettings)
 
