@@ -126,9 +126,7 @@ async def run_worker(
     )
     server = _Server(
         uvicorn.Config(
-            http_app(metrics, health),
-            host=settings.http.http_host,
-            port=settings.http.metrics_port,
+            http_app(metrics, health),  # served on `listener`, bound above
             log_level="warning",
             access_log=False,
             lifespan="off",
