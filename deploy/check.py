@@ -1,0 +1,280 @@
+"""`python -m deploy.check`: render, lint and validate the chart, lint the Dockerfile.
+
+For each value set (the chart's defaults plus the four required values, and
+`deploy/values-all-on.yaml`) it prints the rendered objects, then one line per check. It
+also renders configurations the chart must refuse, and checks the one-source links and the
+image. Exit status 0 when everything holds, 1 otherwise. `make check-deploy` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deploy import chart, dockerfile, pods, sources, validate, workloads
+from deploy.chart import DEPLOY, ROOT, Manifest, RenderError
+from deploy.rendered import Rendered
+
+Check = Callable[[Rendered], list[str]]
+
+RENDERED_CHECKS: list[tuple[str, Check]] = [
+    (
+        "worker: run, probes /healthz /readyz on the metrics port, grace > drain",
+        workloads.check_worker,
+    ),
+    ("pods: non-root, no escalation, read-only root, caps dropped, /tmp", pods.check_security),
+    ("pods: cpu and memory requests and limits", pods.check_resources),
+    ("secrets: by reference only, each component its own", pods.check_secrets),
+    ("settings: known names, accepted by charge-worker's load_settings()", pods.check_settings),
+    ("cronjobs: produce and reconcile, Forbid, schedule, time zone", workloads.check_cronjobs),
+    (
+        "migrate: pre-install/pre-upgrade hook, needs nothing the release creates",
+        workloads.check_migrate_hook,
+    ),
+    ("wiring: PDB, Service, ServiceMonitor select the worker and /metrics", workloads.check_wiring),
+    ("scaling: pods x concurrency <= max_ack_pending, KEDA trigger", workloads.check_scaling),
+    ("PrometheusRule == config/alerts.yml less excluded groups", sources.check_alert_rules),
+    (
+        "dashboard ConfigMap == config/grafana-dashboard.json, sidecar label",
+        sources.check_dashboard,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A configuration the chart must refuse to render, and what the refusal must say."""
+
+    what: str
+    overrides: dict[str, Any]
+    says: str
+    base: list[Path] = field(default_factory=lambda: [DEPLOY / "values-required.yaml"])
+
+
+REFUSALS = [
+    Refusal("the bare chart defaults (no servers, no Secret name)", {}, "is required", base=[]),
+    Refusal(
+        "a grace period not longer than the drain",
+        {"worker": {"terminationGracePeriodSeconds": 20}},
+        "must be longer than CHARGE_WORKER_DRAIN_S",
+    ),
+    Refusal(
+        "pods x concurrency above max_ack_pending",
+        {"worker": {"replicas": 80}},
+        "CHARGE_WORKER_MAX_ACK_PENDING (1000) must be at least",
+    ),
+    Refusal(
+        "the reconcile alerts without reconcile's metrics file",
+        {"metrics": {"prometheusRule": {"excludeGroups": []}}},
+        "charge-worker.reconcile needs",
+    ),
+    Refusal(
+        "an excluded alert group that does not exist",
+        {"metrics": {"prometheusRule": {"excludeGroups": ["nope"]}}},
+        '"nope"',
+    ),
+    Refusal(
+        "a secret among the settings",
+        {"config": {"DATABASE_URL": "postgresql://u:p@db/b"}},
+        "DATABASE_URL",
+    ),
+    Refusal(
+        "a misspelt setting",
+        {"config": {"CHARGE_WORKER_CONCURENCY": 8}},
+        "CHARGE_WORKER_CONCURENCY",
+    ),
+    Refusal(
+        "fault injection in a deployment",
+        {"config": {"CHARGE_WORKER_FAILPOINTS": "x:exit"}},
+        "CHARGE_WORKER_FAILPOINTS",
+    ),
+    Refusal(
+        "a writable root filesystem",
+        {"securityContext": {"readOnlyRootFilesystem": False}},
+        "readOnlyRootFilesystem",
+    ),
+    Refusal(
+        "KEDA without the NATS monitoring endpoint",
+        {"keda": {"enabled": True}},
+        "natsServerMonitoringEndpoint",
+    ),
+    Refusal(
+        "KEDA scaling to zero",
+        {"keda": {"enabled": True, "minReplicaCount": 0, "natsServerMonitoringEndpoint": "n:8222"}},
+        "minReplicaCount",
+    ),
+]
+
+# The chart's own copies of settings unset: its templates then fall back to numbers of their
+# own, which must be charge-worker's defaults (the checks compare with settings.py).
+UNSET_SETTINGS = {
+    "config": dict.fromkeys(
+        [
+            "CHARGE_WORKER_CONCURRENCY",
+            "CHARGE_WORKER_MAX_ACK_PENDING",
+            "CHARGE_WORKER_DRAIN_S",
+            "CHARGE_WORKER_METRICS_PORT",
+        ]
+    )
+}
+
+
+class Report:
+    """Prints one line per check and remembers whether any failed."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+        self.passed = 0
+
+    def check(self, what: str, problems: list[str]) -> None:
+        if problems:
+            self.failed += 1
+            print(f"  FAIL {what}")
+            for problem in problems:
+                print(f"       - {problem}")
+        else:
+            self.passed += 1
+            print(f"  ok   {what}")
+
+
+def resource_table(manifests: list[Manifest]) -> Iterator[str]:
+    """One line per object: kind/name, [namespace when set], template, hook."""
+    rows = []
+    for m in manifests:
+        namespace = m.obj["metadata"].get("namespace")
+        name = f"{m.kind}/{m.name}" + (f" (namespace {namespace})" if namespace else "")
+        hook = (
+            f"  helm hook {m.obj['metadata']['annotations']['helm.sh/hook']}" if m.is_hook else ""
+        )
+        rows.append((name, m.template.removeprefix("charge-worker/") + hook))
+    width = max(len(name) for name, _ in rows)
+    for name, where in rows:
+        yield f"    {name:<{width}}  {where}"
+
+
+def check_value_set(
+    report: Report, label: str, files: list[Path], extra: dict[str, Any] | None = None
+) -> None:
+    values = chart.load_values(files)
+    if extra:
+        chart.merge(values, extra)
+    shown = ", ".join(str(path.relative_to(ROOT)) for path in files) or "(none)"
+    print(
+        f"\n== {label}: chart defaults + {shown}"
+        + (" + the chart's copies of settings unset" if extra else "")
+    )
+    try:
+        manifests = chart.render(values)
+    except RenderError as error:
+        report.check("render", [str(error)])
+        return
+    print(f"  rendered {len(manifests)} objects:")
+    for line in resource_table(manifests):
+        print(line)
+    versions = validate.kube_versions()
+    lint_problems: list[str] = []
+    notes: set[str] = set()
+    for version in versions:
+        linted = chart.lint(values, version)
+        lint_problems += [f"(kube {version}) {p}" for p in linted.problems]
+        notes.update(linted.notes)
+    info = f" (info: {'; '.join(sorted(notes))})" if notes else ""
+    report.check(f"helm lint --strict, kube {' and '.join(versions)}{info}", lint_problems)
+    schema_problems = [p for m in manifests for p in validate.validate(m, versions)]
+    report.check(
+        f"schemas: kubernetes-validate --strict {' and '.join(versions)}; CRDs deploy/schemas/",
+        schema_problems,
+    )
+    rendered = Rendered(manifests, chart.coalesced(values))
+    for what, check in RENDERED_CHECKS:
+        try:
+            problems = check(rendered)
+        except (KeyError, IndexError, TypeError, AssertionError) as error:
+            problems = [f"the rendered objects are not shaped as expected: {error!r}"]
+        report.check(what, problems)
+
+
+def check_refusals(report: Report) -> None:
+    print("\n== configurations the chart must refuse")
+    for refusal in REFUSALS:
+        values = chart.load_values(refusal.base)
+        chart.merge(values, refusal.overrides)
+        try:
+            chart.render(values)
+        except RenderError as error:
+            message = " ".join(str(error).split())
+            ok = refusal.says in message
+            report.check(
+                f"refuses {refusal.what}",
+                [] if ok else [f"refused, but not saying {refusal.says!r}: {message}"],
+            )
+        else:
+            report.check(f"refuses {refusal.what}", ["rendered without complaint"])
+
+
+def check_sources(report: Report) -> None:
+    print("\n== one source of truth")
+    report.check("helm/charge-worker/files/* are symlinks to config/*", sources.check_links())
+    report.check(
+        "helm package: the archive carries the linked files, renders the same",
+        chart.check_package(chart.load_values(chart.VALUE_SETS["all-on"])),
+    )
+    report.check(
+        "values.schema.json config == charge_worker.settings (less secrets)",
+        sources.check_settings_schema(),
+    )
+    report.check("values.schema.json is a valid JSON Schema", validate.check_values_schema())
+    report.check("values.yaml: every key has a comment", sources.check_values_documented())
+    report.check("chart README: the values table covers values.yaml", sources.check_chart_readme())
+    report.check(
+        "values.yaml: no secret defaults, settings == charge-worker's defaults",
+        sources.check_chart_defaults(chart.chart_defaults()),
+    )
+    report.check(
+        "Chart.yaml appVersion == pyproject version", sources.check_versions(chart.chart_metadata())
+    )
+
+
+def check_image(report: Report, *, wheel: bool) -> None:
+    print(f"\n== Dockerfile ({dockerfile.hadolint_version()})")
+    report.check("hadolint, failure threshold style", dockerfile.hadolint())
+    report.check(
+        "structure: multi-stage, pinned slim base, no extras, tini, non-root",
+        dockerfile.check_structure(dockerfile.DOCKERFILE.read_text()),
+    )
+    report.check(
+        ".dockerignore is an allow-list",
+        dockerfile.check_dockerignore(dockerfile.DOCKERIGNORE.read_text()),
+    )
+    if wheel:
+        report.check("the wheel carries migrations/*.sql", dockerfile.check_wheel())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.check", description=__doc__)
+    parser.add_argument("--no-wheel", action="store_true", help="skip building the wheel")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    print(
+        f"charge-worker deployment check: {chart.CHART.relative_to(ROOT)} "
+        f"rendered by Helm SDK {chart.helm_version()}"
+    )
+    report = Report()
+    for label, files in chart.VALUE_SETS.items():
+        check_value_set(report, label, files)
+    check_value_set(report, "defaults", chart.VALUE_SETS["defaults"], UNSET_SETTINGS)
+    check_refusals(report)
+    check_sources(report)
+    check_image(report, wheel=not args.no_wheel)
+    elapsed = time.monotonic() - started
+    print(f"\ndeploy check: {report.passed} ok, {report.failed} failed ({elapsed:.1f} s)")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The workloads' own promises: the worker's probes and drain, the CronJobs, the hook, scaling.
+
+Each check takes one rendering and returns its problems as lines (empty: it holds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deploy.rendered import COMPONENT, Rendered, env_of, secret_ref
+
+
+def check_worker(rendered: Rendered) -> list[str]:
+    """Probes on the right paths and port, a grace period longer than the drain, `run`."""
+    deployment = rendered.only("Deployment", "worker")
+    if deployment is None:
+        return ["no worker Deployment rendered"]
+    spec = deployment.obj["spec"]["template"]["spec"]
+    containers = spec["containers"]
+    if len(containers) != 1:
+        return [f"worker pod has {len(containers)} containers, expected 1"]
+    worker = containers[0]
+    problems = []
+    if (worker.get("args") or [None])[0] != "run":
+        problems.append(f"worker args are {worker.get('args')}, expected run first")
+    host = rendered.setting("CHARGE_WORKER_HTTP_HOST")
+    if host not in {"0.0.0.0", "::"}:  # noqa: S104  # the kubelet probes the pod's IP
+        problems.append(f"CHARGE_WORKER_HTTP_HOST {host} is unreachable for probes and scrapes")
+    port = int(rendered.setting("CHARGE_WORKER_METRICS_PORT"))
+    ports = {p["name"]: p["containerPort"] for p in worker.get("ports", [])}
+    if ports.get("http") != port:
+        problems.append(
+            f"worker port http is {ports.get('http')}, CHARGE_WORKER_METRICS_PORT {port}"
+        )
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        problems += _probe(worker.get(probe), probe, path, ports)
+    if "startupProbe" in worker:
+        problems += _probe(worker["startupProbe"], "startupProbe", "/healthz", ports)
+    grace = spec.get("terminationGracePeriodSeconds")
+    drain = float(rendered.setting("CHARGE_WORKER_DRAIN_S"))
+    if grace is None or grace <= drain:
+        problems.append(
+            f"terminationGracePeriodSeconds {grace} is not longer than "
+            f"CHARGE_WORKER_DRAIN_S {drain:g}"
+        )
+    keda = rendered.values["keda"]["enabled"]
+    if keda == ("replicas" in deployment.obj["spec"]):
+        problems.append("the Deployment sets replicas while KEDA scales it (or neither does)")
+    return problems
+
+
+def _probe(probe: dict[str, Any] | None, name: str, path: str, ports: dict[str, int]) -> list[str]:
+    if not probe:
+        return [f"worker has no {name}"]
+    get = probe.get("httpGet") or {}
+    problems = []
+    if get.get("path") != path:
+        problems.append(f"worker {name} probes {get.get('path')}, expected {path}")
+    if get.get("port") not in ports and get.get("port") not in ports.values():
+        problems.append(f"worker {name} probes port {get.get('port')}, which the container lacks")
+    return problems
+
+
+def check_cronjobs(rendered: Rendered) -> list[str]:
+    """produce daily and reconcile every 15 min, never overlapping, in a set time zone."""
+    problems = []
+    for component in ("produce", "reconcile"):
+        values = rendered.values[component]
+        cron = rendered.only("CronJob", component)
+        if not values["enabled"]:
+            if cron is not None:
+                problems.append(f"{component} is disabled but its CronJob is rendered")
+            continue
+        if cron is None:
+            problems.append(f"no {component} CronJob rendered")
+            continue
+        spec = cron.obj["spec"]
+        for field, want in (
+            ("concurrencyPolicy", "Forbid"),
+            ("schedule", values["schedule"]),
+            ("timeZone", values["timeZone"]),
+        ):
+            if spec.get(field) != want:
+                problems.append(
+                    f"CronJob/{cron.name}: {field} is {spec.get(field)!r}, expected {want!r}"
+                )
+        pod = spec["jobTemplate"]["spec"]["template"]["spec"]
+        args = pod["containers"][0].get("args") or []
+        if args[:1] != [component]:
+            problems.append(f"CronJob/{cron.name}: args {args} do not start with {component}")
+        if pod.get("restartPolicy") not in {"Never", "OnFailure"}:
+            problems.append(f"CronJob/{cron.name}: restartPolicy {pod.get('restartPolicy')}")
+        if component == "reconcile":
+            problems += _metrics_file(cron.name, values["metricsFile"], pod, args)
+    return problems
+
+
+def _metrics_file(
+    name: str, wanted: dict[str, Any], pod: dict[str, Any], args: list[str]
+) -> list[str]:
+    """--metrics-file only when enabled, into the node-exporter hostPath mounted there."""
+    if "--metrics-file" not in args:
+        return (
+            [f"CronJob/{name}: metricsFile enabled but no --metrics-file"]
+            if wanted["enabled"]
+            else []
+        )
+    if not wanted["enabled"]:
+        return [f"CronJob/{name}: --metrics-file given though metricsFile is disabled"]
+    target = args[args.index("--metrics-file") + 1]
+    directory, _, file_name = target.rpartition("/")
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    host_path = (volumes.get(mounts.get(directory, "")) or {}).get("hostPath", {}).get("path")
+    if host_path != wanted["hostPath"] or file_name != wanted["fileName"]:
+        return [
+            f"CronJob/{name}: {target} is not {wanted['hostPath']}/{wanted['fileName']} on the node"
+        ]
+    return []
+
+
+def check_migrate_hook(rendered: Rendered) -> list[str]:
+    """A pre-install/pre-upgrade Job running `migrate` that needs nothing the release creates."""
+    values = rendered.values["migrate"]
+    jobs = [
+        m
+        for m in rendered.of_kind("Job")
+        if m.obj["metadata"]["labels"].get(COMPONENT) == "migrate"
+    ]
+    if not values["enabled"]:
+        return ["migrate is disabled but its Job is rendered"] if jobs else []
+    if len(jobs) != 1:
+        return [f"{len(jobs)} migration Jobs rendered, expected 1"]
+    job = jobs[0]
+    hooks = set(job.obj["metadata"].get("annotations", {}).get("helm.sh/hook", "").split(","))
+    problems = []
+    if not {"pre-install", "pre-upgrade"} <= hooks:
+        problems.append(
+            f"Job/{job.name}: hooks {sorted(hooks)}, expected pre-install and pre-upgrade"
+        )
+    pod = job.obj["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    if container.get("args") != ["migrate"]:
+        problems.append(f"Job/{job.name}: args {container.get('args')}, expected ['migrate']")
+    if container.get("envFrom"):
+        problems.append(
+            f"Job/{job.name}: envFrom needs objects a first install has not created yet"
+        )
+    secret = values["existingSecret"] or rendered.values["secrets"]["existingSecret"]
+    ref = secret_ref(env_of(container).get("DATABASE_URL"))
+    if ref != (secret, values["databaseUrlKey"]):
+        problems.append(
+            f"Job/{job.name}: DATABASE_URL from {ref}, "
+            f"expected {(secret, values['databaseUrlKey'])}"
+        )
+    own_account = [m.name for m in rendered.of_kind("ServiceAccount")]
+    if pod.get("serviceAccountName") in own_account:
+        problems.append(f"Job/{job.name}: uses the release's ServiceAccount, absent at pre-install")
+    return problems
+
+
+def check_wiring(rendered: Rendered) -> list[str]:
+    """PDB, Service and ServiceMonitor select the worker pods and the metrics port."""
+    deployment = rendered.only("Deployment", "worker")
+    service = rendered.only("Service", "worker")
+    if deployment is None or service is None:
+        return ["no worker Deployment or metrics Service rendered"]
+    template = deployment.obj["spec"]["template"]
+    pod_labels = template["metadata"]["labels"]
+    selector = deployment.obj["spec"]["selector"]["matchLabels"]
+    problems = [] if _selects(selector, pod_labels) else ["the Deployment misses its own pods"]
+    budgets = rendered.of_kind("PodDisruptionBudget")
+    if rendered.values["worker"]["podDisruptionBudget"]["enabled"] != bool(budgets):
+        problems.append("the PodDisruptionBudget does not follow its enabled flag")
+    problems += [
+        f"PodDisruptionBudget/{b.name} selects other pods than the Deployment"
+        for b in budgets
+        if b.obj["spec"]["selector"].get("matchLabels") != selector
+    ]
+    if not _selects(service.obj["spec"]["selector"], pod_labels):
+        problems.append(f"Service/{service.name} does not select the worker pods")
+    ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+    service_ports = {p["name"]: p["targetPort"] for p in service.obj["spec"]["ports"]}
+    if not set(service_ports.values()) <= ports:
+        problems.append(f"Service/{service.name} targets ports {service_ports} the worker lacks")
+    return problems + _monitors(rendered, service.obj, service_ports)
+
+
+def _monitors(rendered: Rendered, service: dict[str, Any], ports: dict[str, Any]) -> list[str]:
+    monitors = rendered.of_kind("ServiceMonitor")
+    problems = []
+    if rendered.values["metrics"]["serviceMonitor"]["enabled"] != bool(monitors):
+        problems.append("the ServiceMonitor does not follow metrics.serviceMonitor.enabled")
+    for monitor in monitors:
+        spec = monitor.obj["spec"]
+        if not _selects(spec["selector"]["matchLabels"], service["metadata"]["labels"]):
+            problems.append(f"ServiceMonitor/{monitor.name} does not select the metrics Service")
+        problems += [
+            f"ServiceMonitor/{monitor.name}: endpoint {endpoint} is not the Service's /metrics"
+            for endpoint in spec["endpoints"]
+            if endpoint.get("port") not in ports or endpoint.get("path") != "/metrics"
+        ]
+    return problems
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_scaling(rendered: Rendered) -> list[str]:
+    """max_ack_pending >= pods x concurrency; KEDA's trigger reads the worker's consumer."""
+    concurrency = int(rendered.setting("CHARGE_WORKER_CONCURRENCY"))
+    max_ack_pending = int(rendered.setting("CHARGE_WORKER_MAX_ACK_PENDING"))
+    keda = rendered.values["keda"]
+    pods = keda["maxReplicaCount"] if keda["enabled"] else rendered.values["worker"]["replicas"]
+    problems = []
+    if pods * concurrency > max_ack_pending:
+        problems.append(
+            f"{pods} pods x concurrency {concurrency} exceed max_ack_pending {max_ack_pending}"
+        )
+    scaled = rendered.of_kind("ScaledObject")
+    if not keda["enabled"]:
+        return [*problems, *(["a ScaledObject is rendered with keda off"] if scaled else [])]
+    if len(scaled) != 1:
+        return [*problems, f"{len(scaled)} ScaledObjects rendered, expected 1"]
+    spec = scaled[0].obj["spec"]
+    deployment = rendered.only("Deployment", "worker")
+    if deployment is None or spec["scaleTargetRef"]["name"] != deployment.name:
+        problems.append("the ScaledObject does not target the worker Deployment")
+    if spec.get("minReplicaCount", 0) < 1:
+        problems.append("KEDA may scale the worker to zero (deferred checks and gauges stop)")
+    for trigger in spec["triggers"]:
+        metadata = trigger.get("metadata", {})
+        if trigger.get("type") != "nats-jetstream":
+            problems.append(f"ScaledObject trigger {trigger.get('type')}, expected nats-jetstream")
+        not_strings = sorted(k for k, v in metadata.items() if not isinstance(v, str))
+        if not_strings:
+            problems.append(
+                f"ScaledObject trigger metadata not strings (KEDA requires): {not_strings}"
+            )
+        for key, env in (("stream", "CHARGE_WORKER_STREAM"), ("consumer", "CHARGE_WORKER_DURABLE")):
+            if metadata.get(key) != rendered.setting(env):
+                problems.append(
+                    f"ScaledObject {key} {metadata.get(key)!r} is not "
+                    f"{env} {rendered.setting(env)!r}"
+                )
+    return problems

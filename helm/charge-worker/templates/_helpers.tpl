@@ -1,0 +1,311 @@
+{{/*
+Names and labels.
+*/}}
+{{- define "charge-worker.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "charge-worker.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A resource name: fullname plus a suffix, within 52 characters (CronJob names are
+     at most 52 so that the Jobs they create fit in 63). */}}
+{{- define "charge-worker.suffixed" -}}
+{{- $full := include "charge-worker.fullname" .ctx | trunc (int (sub 51 (len .suffix))) | trimSuffix "-" }}
+{{- printf "%s-%s" $full .suffix }}
+{{- end }}
+
+{{- define "charge-worker.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "charge-worker.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "charge-worker.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Labels of every object; `component` is worker, produce, reconcile, migrate or
+     monitoring. */}}
+{{- define "charge-worker.labels" -}}
+helm.sh/chart: {{ include "charge-worker.chart" .ctx }}
+{{ include "charge-worker.selectorLabels" . }}
+app.kubernetes.io/version: {{ include "charge-worker.imageTag" .ctx | trunc 63 | quote }}
+app.kubernetes.io/part-of: charge-worker
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{- define "charge-worker.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "charge-worker.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The image: a digest, when given, pins it whatever the tag says.
+*/}}
+{{- define "charge-worker.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{- define "charge-worker.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (include "charge-worker.imageTag" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Settings. `config` holds charge-worker's environment variables by their own names; a
+setting the chart itself needs (ports, the drain deadline, sizing) is read from there,
+falling back to charge-worker's default when it is unset.
+*/}}
+{{- define "charge-worker.setting" -}}
+{{- $value := index .ctx.Values.config .name }}
+{{- if or (kindIs "invalid" $value) (eq (toString $value) "") }}{{ .default }}{{ else }}{{ $value }}{{ end }}
+{{- end }}
+
+{{- define "charge-worker.metricsPort" -}}
+{{- include "charge-worker.setting" (dict "ctx" . "name" "CHARGE_WORKER_METRICS_PORT" "default" 9090) | int }}
+{{- end }}
+
+{{/* One setting as an environment variable's text. Helm reads numbers in values as
+     float64, and 2592000 would print as 2.592e+06: whole numbers are printed as integers. */}}
+{{- define "charge-worker.envValue" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) }}{{ int64 . }}{{ else }}{{ toString . }}{{ end }}
+{{- end }}
+
+{{/* The settings as `env` entries: for the migration hook, which runs before the
+     ConfigMap exists on a first install. Unset (null or empty) settings are left out, so
+     charge-worker's own default applies. */}}
+{{- define "charge-worker.configEnv" -}}
+{{- range $name, $value := .Values.config }}
+{{- if not (or (kindIs "invalid" $value) (eq (toString $value) "")) }}
+- name: {{ $name }}
+  value: {{ include "charge-worker.envValue" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Secrets, by reference only. `keys` lists which of the shared Secret's keys a component gets:
+"databaseUrl" (DATABASE_URL) and/or "gatewayApiKey" (GATEWAY_API_KEY).
+*/}}
+{{- define "charge-worker.secretEnv" -}}
+{{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL and GATEWAY_API_KEY (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
+{{- if has "databaseUrl" .keys }}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ .ctx.Values.secrets.databaseUrlKey }}
+{{- end }}
+{{- if has "gatewayApiKey" .keys }}
+- name: GATEWAY_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ .ctx.Values.secrets.gatewayApiKeyKey }}
+{{- end }}
+{{- if .ctx.Values.natsCredentials.existingSecret }}
+- name: CHARGE_WORKER_NATS_CREDS_FILE
+  value: {{ printf "%s/%s" (trimSuffix "/" .ctx.Values.natsCredentials.mountPath) .ctx.Values.natsCredentials.key | quote }}
+{{- end }}
+{{- with .ctx.Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of every pod: a writable /tmp (the root filesystem is read-only), the NATS
+     credentials file when configured, and extraVolumes. */}}
+{{- define "charge-worker.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpVolume.sizeLimit }}
+{{- if .Values.natsCredentials.existingSecret }}
+- name: nats-credentials
+  secret:
+    secretName: {{ .Values.natsCredentials.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.natsCredentials.key }}
+        path: {{ .Values.natsCredentials.key }}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "charge-worker.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.natsCredentials.existingSecret }}
+- name: nats-credentials
+  mountPath: {{ .Values.natsCredentials.mountPath }}
+  readOnly: true
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level fields shared by the worker, the CronJobs and the migration Job. */}}
+{{- define "charge-worker.podCommon" -}}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Pod metadata: the component's labels plus podLabels; podAnnotations plus the
+     caller's `annotations` (a dict, may be absent). */}}
+{{- define "charge-worker.podMetadata" -}}
+{{- $annotations := merge (deepCopy (default (dict) .annotations)) (default (dict) .ctx.Values.podAnnotations) }}
+labels:
+  {{- include "charge-worker.labels" (dict "ctx" .ctx "component" .component) | trim | nindent 2 }}
+  {{- with .ctx.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Rules the values must keep, checked at render time so that `helm install` refuses a
+configuration that would break the promise or page for nothing.
+*/}}
+{{- define "charge-worker.validate" -}}
+{{- $servers := dict "NATS_URL" "the NATS server(s), e.g. nats://nats.nats.svc:4222" "GATEWAY_URL" "the payment gateway's base URL" "SCORING_URL" "the scoring service's base URL" }}
+{{- range $name, $what := $servers }}
+{{- $_ := required (printf "config.%s is required: %s" $name $what) (index $.Values.config $name) }}
+{{- end }}
+{{- $drain := include "charge-worker.setting" (dict "ctx" . "name" "CHARGE_WORKER_DRAIN_S" "default" 20) | float64 }}
+{{- $grace := .Values.worker.terminationGracePeriodSeconds | float64 }}
+{{- if not (gt $grace $drain) }}
+{{- fail (printf "worker.terminationGracePeriodSeconds (%v) must be longer than CHARGE_WORKER_DRAIN_S (%v): Kubernetes would SIGKILL the worker in the middle of its graceful drain" $grace $drain) }}
+{{- end }}
+{{- $concurrency := include "charge-worker.setting" (dict "ctx" . "name" "CHARGE_WORKER_CONCURRENCY" "default" 16) | int }}
+{{- $maxAckPending := include "charge-worker.setting" (dict "ctx" . "name" "CHARGE_WORKER_MAX_ACK_PENDING" "default" 1000) | int }}
+{{- $pods := .Values.worker.replicas | int }}
+{{- $podsFrom := "worker.replicas" }}
+{{- if .Values.keda.enabled }}
+{{- $pods = .Values.keda.maxReplicaCount | int }}
+{{- $podsFrom = "keda.maxReplicaCount" }}
+{{- end }}
+{{- if gt (mul $pods $concurrency) $maxAckPending }}
+{{- fail (printf "CHARGE_WORKER_MAX_ACK_PENDING (%d) must be at least %s x CHARGE_WORKER_CONCURRENCY (%d x %d = %d): above it JetStream stops delivering and pods sit idle" $maxAckPending $podsFrom $pods $concurrency (mul $pods $concurrency)) }}
+{{- end }}
+{{- if and .Values.keda.enabled (lt (int .Values.keda.maxReplicaCount) (int .Values.keda.minReplicaCount)) }}
+{{- fail "keda.maxReplicaCount must be at least keda.minReplicaCount" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The alert rules of config/alerts.yml (the chart's files/alerts.yml is a symlink to it),
+less the groups in metrics.prometheusRule.excludeGroups.
+*/}}
+{{- define "charge-worker.ruleGroups" -}}
+{{- $rules := .Files.Get "files/alerts.yml" | fromYaml }}
+{{- if or (not $rules) (hasKey $rules "Error") (not $rules.groups) }}
+{{- fail (printf "files/alerts.yml (a symlink to config/alerts.yml) is missing, empty or not valid YAML %s" (get $rules "Error")) }}
+{{- end }}
+{{- $exclude := .Values.metrics.prometheusRule.excludeGroups }}
+{{- $names := list }}
+{{- $kept := list }}
+{{- range $rules.groups }}
+{{- $names = append $names .name }}
+{{- if not (has .name $exclude) }}
+{{- $kept = append $kept . }}
+{{- end }}
+{{- end }}
+{{- range $exclude }}
+{{- if not (has . $names) }}
+{{- fail (printf "metrics.prometheusRule.excludeGroups names %q, which config/alerts.yml does not have (it has %s)" . (join ", " $names)) }}
+{{- end }}
+{{- end }}
+{{- $reconcileMetrics := and .Values.reconcile.enabled .Values.reconcile.metricsFile.enabled }}
+{{- if and (has "charge-worker.reconcile" $names) (not (has "charge-worker.reconcile" $exclude)) (not $reconcileMetrics) }}
+{{- fail "the alert group charge-worker.reconcile needs the reconcile CronJob's gauges, which reach Prometheus only through reconcile.metricsFile (node-exporter's textfile collector); enable reconcile.metricsFile, or add charge-worker.reconcile to metrics.prometheusRule.excludeGroups (ChargeWorkerReconcileNotRunning would fire forever)" }}
+{{- end }}
+{{- toYaml (dict "groups" $kept) }}
+{{- end }}
+
+{{/*
+The pod template of a CronJob's Jobs. `job` is the CronJob's values (produce or reconcile),
+`args` the command line, `keys` the Secret keys it gets, `volumes`/`mounts` extra ones.
+*/}}
+{{- define "charge-worker.cronJobTemplate" -}}
+{{- $ctx := .ctx }}
+{{- $job := .job }}
+metadata:
+  labels:
+    {{- include "charge-worker.labels" (dict "ctx" $ctx "component" .component) | trim | nindent 4 }}
+spec:
+  backoffLimit: {{ $job.backoffLimit }}
+  activeDeadlineSeconds: {{ $job.activeDeadlineSeconds }}
+  template:
+    metadata:
+      {{- include "charge-worker.podMetadata" (dict "ctx" $ctx "component" .component) | trim | nindent 6 }}
+    spec:
+      serviceAccountName: {{ include "charge-worker.serviceAccountName" $ctx }}
+      restartPolicy: Never
+      {{- include "charge-worker.podCommon" $ctx | trim | nindent 6 }}
+      {{- with $ctx.Values.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "charge-worker.image" $ctx }}
+          imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+          args:
+            {{- toYaml .args | nindent 12 }}
+          envFrom:
+            - configMapRef:
+                name: {{ include "charge-worker.fullname" $ctx }}
+          env:
+            {{- include "charge-worker.secretEnv" (dict "ctx" $ctx "keys" .keys) | trim | nindent 12 }}
+          resources:
+            {{- toYaml $job.resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $ctx.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            {{- include "charge-worker.volumeMounts" $ctx | trim | nindent 12 }}
+            {{- with .mounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        {{- include "charge-worker.volumes" $ctx | trim | nindent 8 }}
+        {{- with .volumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+{{- end }}
