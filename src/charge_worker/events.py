@@ -13,6 +13,7 @@ Kinds, and who writes them:
 | `resolved`     | reconcile  | what a lookup found for an unknown outcome                    |
 | `refund`       | reconcile  | charge id, refund id, reason                                  |
 | `discrepancy`  | reconcile  | what disagrees                                                |
+| `webhook`      | webhooks   | event id, type, charge id, revision, outcome, looked up       |
 
 Writing an event never decides anything: a failure to write one is logged and ignored.
 """

@@ -138,7 +138,7 @@ class WebhookSettings(_Group):
     webhook_port: int = Field(8081, ge=0, le=65535)
     webhook_secrets: Annotated[tuple[SecretStr, ...], NoDecode] = ()
     webhook_max_bytes: int = Field(256 * 1024, ge=1024)
-    webhook_tolerance_s: float = Field(300.0, gt=0)
+    webhook_tolerance_s: float = Field(300.0, gt=0, le=300.0)  # the contract's 5 min at most
     # the gateway retries a delivery for up to 3 days: keep the journal at least that long
     webhook_retention_s: float = Field(3 * 86400.0, ge=3 * 86400.0)
 

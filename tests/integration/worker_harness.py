@@ -184,6 +184,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
             if isinstance(value, SecretStr):
                 value = value.get_secret_value()
             elif isinstance(value, tuple):
-                value = ",".join(str(step) for step in value)
+                value = ",".join(
+                    v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in value
+                )
             env[env_name(type(group), field)] = str(value)
     return env

@@ -1,4 +1,4 @@
-"""A payment gateway simulator implementing `contracts/gateway.md` (webhook delivery: not yet).
+"""A payment gateway simulator implementing `contracts/gateway.md`, webhooks included.
 
 `build_gateway_app(GatewayConfig(...))` returns a Starlette app; its state is the
 `GatewaySimulator` at `app.state.sim`, in memory only.
@@ -18,7 +18,7 @@ Rules:
   key_reused`; the key still executing: `409 request_in_progress`. Invalid requests and
   injected errors are not kept; a key is kept `key_retention_s` after first use.
 
-Knobs (`GatewayConfig`, also `POST /_sim/config` at runtime):
+Knobs (`GatewayConfig`, in `gateway_config.py`; also `POST /_sim/config` at runtime):
 
 * `api_key` (`sk_test_sandbox`); `seed` (`None`: random);
 * `latency`: a `LatencyModel` (default 0 s) for every `/v1` request; for a charge it is the
@@ -29,17 +29,24 @@ Knobs (`GatewayConfig`, also `POST /_sim/config` at runtime):
   kept for replay, then `"timeout"` waits `lost_answer_delay_s` (30 s; cut short when the
   client hangs up) before answering, `"5xx"` answers `502`: an unknown outcome;
 * `idempotency_enabled` (true): false charges every request anew;
-* `key_retention_s` (86400).
+* `key_retention_s` (86400);
+* webhooks (`webhook_delivery.py`): `webhook_url` (`None`: none are sent), `webhook_secret`
+  (`whsec_…`), `webhook_retry_schedule_s` (the contract's), `webhook_time_scale` (1),
+  `webhook_timeout_s` (5), `webhook_reorder` and `webhook_duplicate` (probabilities, 0),
+  `webhook_reorder_delay_s` (1: the longest an event is held back to be overtaken).
 
 Endpoints: `POST /v1/charges`, `GET /v1/charges` (`order_id` + `billing_period`: every
 match; and/or paging by `created_gte`, `created_lt`, `limit` 1..100 default 10,
 `starting_after`; oldest first, `has_more`), `POST /v1/refunds` (`charge`, `reason`); and,
 without auth, `GET /_sim/charges` (every charge with its `idempotency_key`), `GET /_sim/stats`
-(requests by endpoint and status, injected errors, lost answers) and the control routes of
-`simulator.py` (`/_sim/config`, `/_sim/reset`).
+(requests by endpoint and status, injected errors, lost answers), `POST /_sim/disputes`
+(`{"charge": id}`: the cardholder disputes a succeeded charge), `GET /_sim/webhooks` (every
+webhook delivery and its attempts) and the control routes of `simulator.py` (`/_sim/config`,
+`/_sim/reset`).
 
 Webhook seam: every change of a charge object is passed to `sim.events.publish(type,
-snapshot)` (`charge.succeeded`, `charge.failed`, `charge.refunded`); the default sink drops it.
+snapshot)` (`charge.succeeded`, `charge.failed`, `charge.refunded`, `charge.dispute_created`);
+the default sink is the simulator's `WebhookDelivery`, which sends nothing without a URL.
 """
 
 from __future__ import annotations
@@ -48,15 +55,16 @@ import asyncio
 import hmac
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal, Protocol, Self
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from charge_worker.sandbox.gateway_config import GatewayConfig
 from charge_worker.sandbox.gateway_requests import (
     ChargeParams,
     InvalidRequest,
@@ -80,39 +88,16 @@ from charge_worker.sandbox.gateway_state import (
     Replay,
     StoredResponse,
 )
-from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.simulator import Simulator, pause, read_json
+from charge_worker.sandbox.webhook_delivery import WebhookDelivery
+
+__all__ = [  # GatewayConfig lives in gateway_config.py; callers import it from here
+    "DECLINE_PREFIX", "ChargeEvents", "GatewayConfig", "GatewaySimulator", "NoEvents",
+    "build_gateway_app",
+]  # fmt: skip
 
 DECLINE_PREFIX = "cus_decline"
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-class GatewayConfig(BaseModel):
-    """The gateway simulator's knobs (see the module docstring)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    api_key: str = "sk_test_sandbox"
-    latency: LatencyModel = LatencyModel()
-    error_rates: dict[int, float] = Field(default_factory=dict)
-    retry_after_s: int = Field(1, ge=0)
-    lost_answer_rate: float = Field(0.0, ge=0, le=1)
-    lost_answer_mode: Literal["timeout", "5xx"] = "timeout"
-    lost_answer_delay_s: float = Field(30.0, ge=0)
-    idempotency_enabled: bool = True
-    key_retention_s: float = Field(86400.0, gt=0)
-    seed: int | None = None
-
-    @model_validator(mode="after")
-    def _valid_error_rates(self) -> Self:
-        for status, rate in self.error_rates.items():
-            if status != 429 and not 500 <= status <= 599:
-                raise ValueError(f"error_rates: {status} is not 429 or 5xx")
-            if not 0 <= rate <= 1:
-                raise ValueError(f"error_rates: {status} rate {rate} is not in 0..1")
-        if sum(self.error_rates.values()) > 1:
-            raise ValueError("error_rates add up to more than 1")
-        return self
 
 
 class ChargeEvents(Protocol):
@@ -133,7 +118,9 @@ class GatewaySimulator(Simulator[GatewayConfig]):
     """The gateway's state (charges, refunds, keys, counters) and its request handlers."""
 
     def __init__(self, config: GatewayConfig, events: ChargeEvents | None = None) -> None:
-        self.events: ChargeEvents = events or NoEvents()
+        self.config = config
+        self.webhooks = WebhookDelivery(lambda: self.config)
+        self.events: ChargeEvents = events or self.webhooks
         super().__init__(config)
 
     @property
@@ -150,6 +137,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         self.by_status: Counter[str] = Counter()
         self.injected_errors = 0
         self.lost_answers = 0
+        self.webhooks.clear()
 
     def stats(self) -> dict[str, Any]:
         """Requests by endpoint and by status, injected errors, lost answers, totals."""
@@ -177,6 +165,8 @@ class GatewaySimulator(Simulator[GatewayConfig]):
                 for method, path, fn in api
             ),
             Route("/_sim/charges", self.all_charges, methods=["GET"]),
+            Route("/_sim/disputes", self.create_dispute, methods=["POST"]),
+            Route("/_sim/webhooks", self.webhook_deliveries, methods=["GET"]),
             *self.control_routes(),
         ]
 
@@ -250,6 +240,25 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         """`GET /_sim/charges`: every charge ever made, with the key that made it."""
         data = [c.to_json() | {"idempotency_key": c.idempotency_key} for c in self.book.charges]
         return JSONResponse({"data": data})
+
+    async def create_dispute(self, request: Request) -> Response:
+        """`POST /_sim/disputes` `{"charge": id}`: a chargeback opens on a succeeded charge."""
+        body = await read_json(request)
+        charge_id = body.get("charge") if isinstance(body, dict) else None
+        charge = self.book.get(charge_id) if isinstance(charge_id, str) else None
+        if charge is None:
+            return api_error(404, "invalid_request_error", "resource_missing", "No such charge.")
+        if charge.status != "succeeded":
+            return api_error(
+                400, "invalid_request_error", "charge_not_disputable", "Not a succeeded charge."
+            )
+        charge.revision += 1
+        self.events.publish("charge.dispute_created", charge.to_json())
+        return JSONResponse(charge.to_json())
+
+    async def webhook_deliveries(self, request: Request) -> Response:
+        """`GET /_sim/webhooks`: every webhook delivery, its attempts, and how many go on."""
+        return JSONResponse(self.webhooks.report())
 
     def _guard(self, request: Request) -> Response | None:
         """Auth, then an injected error, if either stops the request here."""
@@ -378,6 +387,12 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 def build_gateway_app(config: GatewayConfig | None = None) -> Starlette:
     """The gateway simulator as an ASGI app; its `GatewaySimulator` is `app.state.sim`."""
     sim = GatewaySimulator(config or GatewayConfig())
-    app = Starlette(routes=sim.routes())
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await sim.webhooks.aclose()  # deliveries still retrying end with the server
+
+    app = Starlette(routes=sim.routes(), lifespan=lifespan)
     app.state.sim = sim
     return app

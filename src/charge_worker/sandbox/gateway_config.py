@@ -1,0 +1,66 @@
+"""The gateway simulator's knobs (`GatewayConfig`); what each one does is told in `gateway.py`."""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from charge_worker.errors import SettingsError
+from charge_worker.sandbox.latency import LatencyModel
+from charge_worker.sandbox.webhook_delivery import CONTRACT_RETRY_SCHEDULE_S
+from charge_worker.webhook_signature import check_secret
+
+# public, like the sandbox API key sk_test_sandbox
+SANDBOX_WEBHOOK_SECRET = "whsec_Y2hhcmdlLXdvcmtlci1zYW5kYm94LXdlYmhvb2tz"  # noqa: S105
+
+
+class GatewayConfig(BaseModel):
+    """The gateway simulator's knobs (see `charge_worker.sandbox.gateway`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key: str = "sk_test_sandbox"
+    latency: LatencyModel = LatencyModel()
+    error_rates: dict[int, float] = Field(default_factory=dict)
+    retry_after_s: int = Field(1, ge=0)
+    lost_answer_rate: float = Field(0.0, ge=0, le=1)
+    lost_answer_mode: Literal["timeout", "5xx"] = "timeout"
+    lost_answer_delay_s: float = Field(30.0, ge=0)
+    idempotency_enabled: bool = True
+    key_retention_s: float = Field(86400.0, gt=0)
+    seed: int | None = None
+    webhook_url: str | None = None
+    webhook_secret: str = SANDBOX_WEBHOOK_SECRET
+    webhook_retry_schedule_s: tuple[float, ...] = CONTRACT_RETRY_SCHEDULE_S
+    webhook_time_scale: float = Field(1.0, gt=0)
+    webhook_timeout_s: float = Field(5.0, gt=0)
+    webhook_reorder: float = Field(0.0, ge=0, le=1)
+    webhook_reorder_delay_s: float = Field(1.0, ge=0)
+    webhook_duplicate: float = Field(0.0, ge=0, le=1)
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, value: str) -> str:
+        try:
+            return check_secret(value)
+        except SettingsError as error:
+            raise ValueError(str(error)) from error
+
+    @field_validator("webhook_retry_schedule_s")
+    @classmethod
+    def _non_negative(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(step < 0 for step in value):
+            raise ValueError("webhook_retry_schedule_s: every step must be >= 0 seconds")
+        return value
+
+    @model_validator(mode="after")
+    def _valid_error_rates(self) -> Self:
+        for status, rate in self.error_rates.items():
+            if status != 429 and not 500 <= status <= 599:
+                raise ValueError(f"error_rates: {status} is not 429 or 5xx")
+            if not 0 <= rate <= 1:
+                raise ValueError(f"error_rates: {status} rate {rate} is not in 0..1")
+        if sum(self.error_rates.values()) > 1:
+            raise ValueError("error_rates add up to more than 1")
+        return self

@@ -1,0 +1,376 @@
+"""Every SQL statement on the webhook journal (`webhook_inbox`) and its effect on the ledger.
+
+A row's life: `received` (journaled by the receiver, before its 2xx) -> `processing` (leased
+by one processor: `lease_owner`, until `next_attempt_at`) -> `applied` | `stale` |
+`needs_review`, or `awaiting_dependency` (taken again at `next_attempt_at`). A processor that
+dies leaves its rows `processing` with a lease that expires: they are taken again, so an event
+journaled before a crash is applied after it. Every processor write names its lease
+(`lease_owner = $me AND status = 'processing'`); the ledger change, the row's status and the
+charge's `webhook` event are one transaction, with the ledger row locked (`FOR UPDATE`,
+under a lock timeout) while the rules decide.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, cast
+
+import asyncpg
+import structlog
+from asyncpg.pool import PoolConnectionProxy
+
+from charge_worker import events
+from charge_worker.errors import ChargeWorkerError, LeaseHeld
+from charge_worker.ledger import _translated
+from charge_worker.webhook_metrics import OPEN_STATUSES
+from charge_worker.webhook_rules import (
+    Apply,
+    Decision,
+    Review,
+    Row,
+    Snapshot,
+    Stale,
+    Unchanged,
+    Wait,
+    decide,
+)
+from charge_worker.webhook_signature import MalformedDelivery
+
+log = structlog.get_logger("charge_worker.webhooks")
+ACTOR = "webhooks"
+
+_JOURNAL = """
+INSERT INTO webhook_inbox (source, event_id, message_id, event_type, object_id, revision,
+                           order_id, billing_period, payload)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)
+ON CONFLICT (source, event_id) DO NOTHING
+RETURNING id
+"""
+
+_TAKE = """
+UPDATE webhook_inbox AS w
+   SET status = 'processing', lease_owner = $1, attempts = w.attempts + 1,
+       next_attempt_at = now() + make_interval(secs => $3), updated_at = now()
+ WHERE w.id IN (SELECT id FROM webhook_inbox
+                 WHERE status IN ('received', 'processing', 'awaiting_dependency')
+                   AND next_attempt_at <= now()
+                 ORDER BY next_attempt_at, id
+                 LIMIT $2 FOR UPDATE SKIP LOCKED)
+RETURNING w.id, w.source, w.event_id, w.event_type, w.object_id, w.revision, w.order_id,
+          w.billing_period, w.payload -> 'data' -> 'object' ->> 'status' AS object_status,
+          w.attempts, extract(epoch FROM now() - w.received_at)::float8 AS age_s
+"""
+
+_LEDGER_BY_KEY = """
+SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
+       (lease_until IS NULL OR lease_until < now()) AS lease_free
+  FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
+   FOR UPDATE
+"""
+
+_LEDGER_BY_CHARGE = """
+SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
+       (lease_until IS NULL OR lease_until < now()) AS lease_free
+  FROM charge_attempts WHERE gateway_charge_id = $1
+   FOR UPDATE
+"""
+
+_NEWEST_APPLIED = """
+SELECT coalesce(max(revision), 0) FROM webhook_inbox
+ WHERE source = $1 AND object_id = $2 AND status = 'applied' AND id <> $3
+"""
+
+# Guarded although the row is locked: only a newer snapshot of the same (or a not yet
+# recorded) charge, only from the status decided on, and never under a live worker's lease.
+_APPLY = """
+UPDATE charge_attempts
+   SET status = coalesce($5, status),
+       gateway_charge_id = coalesce(gateway_charge_id, $3),
+       gateway_revision = $4,
+       disputed_at = CASE WHEN $6 THEN coalesce(disputed_at, now()) ELSE disputed_at END,
+       review_reason = CASE WHEN $6 AND disputed_at IS NULL
+                            THEN concat_ws('; ', review_reason, $7::text)
+                            ELSE review_reason END,
+       lease_owner = CASE WHEN status IN ('scheduled', 'pending') THEN NULL ELSE lease_owner END,
+       lease_until = CASE WHEN status IN ('scheduled', 'pending') THEN NULL ELSE lease_until END,
+       settled_at = CASE WHEN status IN ('scheduled', 'pending') THEN now() ELSE settled_at END,
+       updated_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND status = $8
+   AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)
+   AND coalesce(gateway_revision, 0) < $4
+   AND (status NOT IN ('scheduled', 'pending') OR lease_until IS NULL OR lease_until < now())
+"""
+
+_FINISH = """
+UPDATE webhook_inbox
+   SET status = $3, outcome = $4, last_error = $5, lease_owner = NULL, updated_at = now(),
+       next_attempt_at = now() + make_interval(secs => $6),
+       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'needs_review') THEN now() END
+ WHERE id = $1 AND lease_owner = $2 AND status = 'processing'
+"""
+
+_PURGE = """
+DELETE FROM webhook_inbox WHERE id IN (
+    SELECT id FROM webhook_inbox
+     WHERE status IN ('applied', 'stale') AND received_at < now() - make_interval(secs => $1)
+     ORDER BY received_at LIMIT $2)
+"""
+
+_OPEN_COUNTS = """
+SELECT status, count(*) AS n,
+       coalesce(extract(epoch FROM now() - min(received_at)), 0)::float8 AS oldest_s
+  FROM webhook_inbox WHERE status NOT IN ('applied', 'stale') GROUP BY status
+"""
+
+_STATUS_OF: dict[type, str] = {
+    Apply: "applied", Unchanged: "applied", Stale: "stale", Review: "needs_review",
+    Wait: "awaiting_dependency",
+}  # fmt: skip
+
+
+def status_of(decision: Decision) -> str:
+    """The journal status a decision gives its event."""
+    return _STATUS_OF[type(decision)]
+
+
+class GuardRefused(ChargeWorkerError):
+    """The guarded ledger write matched no row although the rules allowed it (a bug)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One verified event, as the receiver journals it."""
+
+    source: str
+    event_id: str
+    message_id: str
+    event_type: str
+    object_id: str
+    revision: int
+    order_id: int | None
+    billing_period: dt.date | None
+    payload: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """A journal row a processor has leased."""
+
+    id: int
+    source: str
+    event_id: str
+    event_type: str
+    charge_id: str
+    revision: int
+    order_id: int | None
+    billing_period: dt.date | None
+    object_status: str
+    attempts: int
+    age_s: float
+
+    @property
+    def key(self) -> tuple[int, dt.date] | None:
+        """The ledger key from the charge's metadata, when it has one."""
+        if self.order_id is None or self.billing_period is None:
+            return None
+        return self.order_id, self.billing_period
+
+    def snapshot(self, status: str | None = None) -> Snapshot:
+        """What the event says; `status` overrides the charge status (a lookup's answer)."""
+        status = status or self.object_status
+        return Snapshot(self.event_type, self.charge_id, self.revision, status)
+
+    def describe(self) -> dict[str, Any]:
+        """The fields a log line or a story event carries."""
+        return {
+            "event_id": self.event_id,
+            "type": self.event_type,
+            "charge_id": self.charge_id,
+            "revision": self.revision,
+            "attempt": self.attempts,
+        }
+
+
+@dataclass(frozen=True)
+class OpenCounts:
+    """Journal rows not final-and-fine, by status, and the age of the oldest unprocessed."""
+
+    by_status: dict[str, int]
+    oldest_unprocessed_s: float
+
+
+class Inbox:
+    """The journal on one asyncpg pool."""
+
+    def __init__(self, pool: asyncpg.Pool, *, lock_timeout_s: float = 2.0) -> None:
+        self.pool = pool
+        self.lock_timeout = f"{int(lock_timeout_s * 1000)}ms"
+
+    async def journal(self, entry: Entry) -> bool:
+        """Record the event once; False when it was journaled before (a redelivery)."""
+        async with _translated():
+            try:
+                row_id = await self.pool.fetchval(
+                    _JOURNAL,
+                    entry.source,
+                    entry.event_id,
+                    entry.message_id,
+                    entry.event_type,
+                    entry.object_id,
+                    entry.revision,
+                    entry.order_id,
+                    entry.billing_period,
+                    entry.payload,
+                )
+            except asyncpg.DataError as error:  # e.g. \u0000, which jsonb cannot hold
+                raise MalformedDelivery("the body cannot be stored as jsonb") from error
+        return row_id is not None
+
+    async def take(self, owner: str, *, limit: int, lease_s: float) -> list[Job]:
+        """Lease up to `limit` due rows (new, waiting, or whose lease expired)."""
+        async with _translated():
+            rows = await self.pool.fetch(_TAKE, owner, limit, lease_s)
+        return [
+            Job(
+                r["id"], r["source"], r["event_id"], r["event_type"], r["object_id"],
+                r["revision"], r["order_id"], r["billing_period"], r["object_status"] or "",
+                r["attempts"], r["age_s"],
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    async def settle(
+        self, job: Job, owner: str, *, confirmed_status: str | None = None, wait_s: float | None
+    ) -> Decision:
+        """Decide and write in one transaction. A `Wait` is written as `awaiting_dependency`
+        retried in `wait_s`, or with `wait_s=None` not written at all (the caller looks the
+        charge up, then settles again with the `confirmed_status` it found)."""
+        async with _translated(), self.pool.acquire() as conn, conn.transaction():
+            held = _Held(conn, job, owner)
+            await conn.execute("SELECT set_config('lock_timeout', $1, true)", self.lock_timeout)
+            if job.key is not None:
+                record = await conn.fetchrow(_LEDGER_BY_KEY, *job.key)
+            else:
+                record = await conn.fetchrow(_LEDGER_BY_CHARGE, job.charge_id)
+            newest = await conn.fetchval(_NEWEST_APPLIED, job.source, job.charge_id, job.id)
+            row = None if record is None else Row(
+                record["status"], record["gateway_charge_id"], record["gateway_revision"],
+                record["lease_free"],
+            )  # fmt: skip
+            decision = decide(
+                job.snapshot(confirmed_status),
+                row,
+                confirmed=confirmed_status is not None,
+                newest_applied=newest,
+            )
+            if isinstance(decision, Wait):
+                if wait_s is not None:
+                    await held.finish("awaiting_dependency", error=decision.why, delay_s=wait_s)
+                return decision
+            if isinstance(decision, Apply):
+                assert record is not None
+                await held.apply(record, decision)
+            outcome = decision.change if isinstance(decision, Apply) else decision.why
+            await held.finish(status_of(decision), outcome=outcome)
+            if record is not None:
+                key = (record["order_id"], record["billing_period"])
+                await held.story(key, status_of(decision), outcome, confirmed_status)
+        return decision
+
+    async def review(self, job: Job, owner: str, why: str) -> None:
+        """Give up on the event: `needs_review`, with its reason in the charge's story."""
+        async with _translated(), self.pool.acquire() as conn, conn.transaction():
+            held = _Held(conn, job, owner)
+            await held.finish("needs_review", outcome=why)
+            if job.key is not None:
+                await held.story(job.key, "needs_review", why, None)
+
+    async def wait(self, job: Job, owner: str, why: str, *, delay_s: float) -> None:
+        """Put the event back to wait for its dependency another `delay_s`."""
+        async with _translated(), self.pool.acquire() as conn:
+            held = _Held(conn, job, owner)
+            await held.finish("awaiting_dependency", error=why, delay_s=delay_s)
+
+    async def retry(self, job: Job, owner: str, error: str, *, delay_s: float) -> None:
+        """Put the event back for another try in `delay_s` (processing failed)."""
+        async with _translated(), self.pool.acquire() as conn:
+            await _Held(conn, job, owner).finish("received", error=error, delay_s=delay_s)
+
+    async def purge(self, retention_s: float, *, batch: int = 1000) -> int:
+        """Delete applied and stale rows received over `retention_s` ago; the number deleted."""
+        deleted = 0
+        while True:
+            async with _translated():
+                status = await self.pool.execute(_PURGE, retention_s, batch)
+            count = int(status.rsplit(" ", 1)[-1])
+            deleted += count
+            if count < batch:
+                return deleted
+
+    async def open_counts(self) -> OpenCounts:
+        """Rows by open status (and needs_review), and the oldest unprocessed one's age."""
+        async with _translated():
+            rows = await self.pool.fetch(_OPEN_COUNTS)
+        counts = dict.fromkeys(OPEN_STATUSES, 0) | {r["status"]: int(r["n"]) for r in rows}
+        unprocessed = [r["oldest_s"] for r in rows if r["status"] != "needs_review"]
+        return OpenCounts(counts, max(unprocessed, default=0.0))
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A leased job inside one connection: every write names the lease."""
+
+    conn: PoolConnectionProxy[asyncpg.Record]
+    job: Job
+    owner: str
+
+    async def finish(
+        self,
+        status: str,
+        *,
+        outcome: str | None = None,
+        error: str | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        """Give the row `status` and release the lease; `LeaseHeld` if it is no longer ours."""
+        result = await self.conn.execute(
+            _FINISH, self.job.id, self.owner, status, outcome, error, delay_s
+        )
+        if result != "UPDATE 1":
+            raise LeaseHeld(f"the lease on webhook {self.job.event_id} was taken over")
+
+    async def apply(self, record: asyncpg.Record, decision: Apply) -> None:
+        """The guarded ledger write of `decision`."""
+        job = self.job
+        result = await self.conn.execute(
+            _APPLY,
+            record["order_id"],
+            record["billing_period"],
+            job.charge_id,
+            job.revision,
+            decision.status,
+            decision.disputed,
+            f"gateway: dispute opened on {job.charge_id}",
+            record["status"],
+        )
+        if result != "UPDATE 1":  # the row is locked: only a bug in the rules gets here
+            raise GuardRefused(f"the guarded ledger update matched no row ({decision.change})")
+
+    async def story(
+        self, key: tuple[int, dt.date], status: str, outcome: str, looked_up: str | None
+    ) -> None:
+        """Append the `webhook` event; losing it never undoes what it records (a savepoint)."""
+        job = self.job
+        # a pool's connection proxy forwards every Connection method
+        conn = cast("asyncpg.Connection[asyncpg.Record]", self.conn)
+        try:
+            async with conn.transaction():
+                await events.record(
+                    conn, *key, "webhook", ACTOR, **job.describe(),
+                    outcome=status, detail=outcome, looked_up=looked_up,
+                )  # fmt: skip
+        except (asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError):
+            raise
+        except asyncpg.PostgresError as error:
+            log.warning("webhook.event_lost", event_id=job.event_id, error=str(error))

@@ -1,0 +1,225 @@
+"""The journal's processor: lease due events, apply them to the ledger, purge old rows.
+
+Why a lease on the table rather than a publish to JetStream in the same step: the journal row
+*is* the durable promise behind the 2xx, and a publish after the insert is a second write that
+can be lost between the two (it would need an outbox, which is this table again). Taking work
+with `FOR UPDATE SKIP LOCKED` spreads it over any number of receiver pods, and an expired lease
+hands a dead processor's rows to a live one. Webhook volume is a few events per charge, so
+polling (woken at once by this process's own receiver) costs nothing worth a broker.
+
+Per event: the rules decide under a lock of the ledger row (`webhook_rules`). A wait is
+retried with backoff; once it has lasted `wait_bound_tries` tries or `wait_bound_s`, the
+charge is looked up at the gateway and what the gateway says is applied, or the event goes to
+`needs_review`. An event whose processing keeps failing (database errors, a bug) goes to
+`needs_review` after `give_up_tries`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from charge_worker.errors import ChargeWorkerError, LeaseHeld, TransientError
+from charge_worker.gateway import GatewayCharge
+from charge_worker.webhook_inbox import Inbox, Job, status_of
+from charge_worker.webhook_metrics import WebhookMetrics
+from charge_worker.webhook_rules import Apply, Decision, Review, Wait
+
+log = structlog.get_logger("charge_worker.webhooks")
+LEASE_USE = 0.8  # of a batch's lease, before the rest of the batch is handed back
+
+
+class ChargeLookup(Protocol):
+    """The gateway's `GET /v1/charges?order_id=…&billing_period=…` (`GatewayClient`)."""
+
+    async def lookup(self, order_id: int, billing_period: dt.date) -> list[GatewayCharge]:
+        """Every charge the gateway holds for this key."""
+
+
+@dataclass(frozen=True)
+class ProcessorTuning:
+    """How the processor paces itself; the defaults suit production, tests shrink them."""
+
+    batch: int = 20
+    lease_s: float = 15.0  # one batch's work; a longer one only risks doing an event twice
+    poll_s: float = 1.0
+    backoff_base_s: float = 2.0
+    backoff_max_s: float = 120.0
+    wait_bound_tries: int = 10
+    wait_bound_s: float = 900.0
+    give_up_tries: int = 20
+    purge_interval_s: float = 600.0
+    stats_interval_s: float = 15.0
+
+    def backoff_s(self, attempts: int) -> float:
+        """The delay before try `attempts + 1`: doubling from the base, capped."""
+        exponent = min(max(attempts - 1, 0), 30)
+        return float(min(self.backoff_base_s * 2**exponent, self.backoff_max_s))
+
+
+class Processor:
+    """Applies journaled events until stopped; safe to run in every receiver pod."""
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        gateway: ChargeLookup,
+        metrics: WebhookMetrics,
+        *,
+        owner: str,
+        retention_s: float,
+        tuning: ProcessorTuning | None = None,
+    ) -> None:
+        self.inbox = inbox
+        self.gateway = gateway
+        self.metrics = metrics
+        self.owner = owner
+        self.retention_s = retention_s
+        self.tuning = tuning or ProcessorTuning()
+        self.last_tick = time.monotonic()
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Look for work now (a new event was journaled)."""
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Process, purge and report until `stop`; an unavailable database is waited out."""
+        tuning = self.tuning
+        next_purge = next_stats = time.monotonic()
+        relay = asyncio.create_task(_set_when(stop, self._wake))
+        try:
+            await self._loop(stop, tuning, next_purge, next_stats)
+        finally:
+            relay.cancel()
+
+    async def _loop(
+        self, stop: asyncio.Event, tuning: ProcessorTuning, next_purge: float, next_stats: float
+    ) -> None:
+        while not stop.is_set():
+            self.last_tick = now = time.monotonic()
+            done = 0
+            try:
+                if now >= next_purge:
+                    await self.purge()
+                    next_purge = now + tuning.purge_interval_s
+                if now >= next_stats:
+                    await self.report()
+                    next_stats = now + tuning.stats_interval_s
+                done = await self.run_once(stop)
+            except TransientError as error:
+                log.warning("webhook.processor_unavailable", error=str(error))
+            if done < tuning.batch:
+                self._wake.clear()
+                if stop.is_set():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(tuning.poll_s):
+                        await self._wake.wait()
+
+    async def run_once(self, stop: asyncio.Event | None = None) -> int:
+        """Lease one batch of due events and process each; the number taken."""
+        tuning = self.tuning
+        jobs = await self.inbox.take(self.owner, limit=tuning.batch, lease_s=tuning.lease_s)
+        lease_ends = time.monotonic() + tuning.lease_s * LEASE_USE
+        # revision order within a batch: fewer stale events (the guard is what makes it right)
+        for job in sorted(jobs, key=lambda j: (j.charge_id, j.revision, j.id)):
+            if time.monotonic() < lease_ends and not (stop and stop.is_set()):
+                await self.process(job)
+            else:  # stopping, or slow events ate the lease: hand the rest back at once
+                with contextlib.suppress(ChargeWorkerError):
+                    await self.inbox.retry(job, self.owner, "handed back", delay_s=0.0)
+        return len(jobs)
+
+    async def process(self, job: Job) -> None:
+        """Apply one leased event, or put it back to wait or retry."""
+        try:
+            decision = await self._decide(job)
+        except LeaseHeld as error:
+            log.warning("webhook.lease_lost", **job.describe(), error=str(error))
+            return
+        except ChargeWorkerError as error:
+            await self._failed(job, f"{type(error).__name__}: {error}")
+            return
+        except Exception as error:  # a bug must not stop every other event
+            log.exception("webhook.crashed", **job.describe())
+            await self._failed(job, f"crashed: {type(error).__name__}: {error}")
+            return
+        self._count(job, decision)
+
+    async def _decide(self, job: Job) -> Decision:
+        tuning = self.tuning
+        bound = job.attempts >= tuning.wait_bound_tries or job.age_s >= tuning.wait_bound_s
+        decision = await self.inbox.settle(
+            job, self.owner, wait_s=None if bound else tuning.backoff_s(job.attempts)
+        )
+        if not (bound and isinstance(decision, Wait)):
+            return decision
+        if job.key is None:
+            why = f"{decision.why}; the charge has no order_id/billing_period to look it up by"
+            await self.inbox.review(job, self.owner, why)
+            return Review(why)
+        try:
+            found = await self.gateway.lookup(*job.key)
+        except TransientError as error:
+            wait = Wait(f"{decision.why}; the lookup failed: {error}")
+            await self.inbox.wait(job, self.owner, wait.why, delay_s=tuning.backoff_max_s)
+            return wait
+        charge = next((c for c in found if c.id == job.charge_id), None)
+        if charge is None:
+            held = ", ".join(f"{c.id} {c.status}" for c in found) or "none"
+            why = f"{decision.why}; the gateway holds no {job.charge_id} for this key ({held})"
+            await self.inbox.review(job, self.owner, why)
+            return Review(why)
+        return await self.inbox.settle(
+            job, self.owner, confirmed_status=charge.status, wait_s=tuning.backoff_max_s
+        )
+
+    async def _failed(self, job: Job, error: str) -> None:
+        if job.attempts >= self.tuning.give_up_tries:
+            why = f"processing failed {job.attempts} times; last: {error}"
+            with contextlib.suppress(ChargeWorkerError):
+                await self.inbox.review(job, self.owner, why)
+                self._count(job, Review(why))
+            return
+        log.warning("webhook.retry", **job.describe(), error=error)
+        with contextlib.suppress(ChargeWorkerError):  # else the lease expires: retried anyway
+            await self.inbox.retry(
+                job, self.owner, error, delay_s=self.tuning.backoff_s(job.attempts)
+            )
+
+    def _count(self, job: Job, decision: Decision) -> None:
+        status = status_of(decision)
+        self.metrics.events.labels(status).inc()
+        detail = decision.change if isinstance(decision, Apply) else decision.why
+        if status == "needs_review":
+            self.metrics.needs_review.inc()
+            log.warning("webhook.needs_review", **job.describe(), why=detail)
+        else:
+            log.info("webhook.processed", **job.describe(), status=status, detail=detail)
+
+    async def purge(self) -> int:
+        """Delete final rows older than the retention period."""
+        deleted = await self.inbox.purge(self.retention_s)
+        if deleted:
+            self.metrics.purged.inc(deleted)
+            log.info("webhook.purged", rows=deleted)
+        return deleted
+
+    async def report(self) -> None:
+        """Copy the journal's open rows into the gauges."""
+        counts = await self.inbox.open_counts()
+        for status, count in counts.by_status.items():
+            self.metrics.inbox_rows.labels(status).set(count)
+        self.metrics.oldest_open_s.set(counts.oldest_unprocessed_s)
+
+
+async def _set_when(stop: asyncio.Event, wake: asyncio.Event) -> None:
+    await stop.wait()
+    wake.set()

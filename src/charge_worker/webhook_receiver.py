@@ -1,0 +1,177 @@
+"""`POST /webhooks/gateway`: check, verify, journal, answer. Nothing slow happens here.
+
+In this order, each step refusing with no side effect:
+
+| step                                                    | refused with              |
+|---------------------------------------------------------|---------------------------|
+| `Content-Length` over the limit (nothing read yet)      | 413                       |
+| a signature header missing or malformed                 | 400                       |
+| `webhook-timestamp` further from now than the tolerance | 401                       |
+| the body, read as a stream, passes the limit (stops)    | 413                       |
+| no signature matches a configured secret                | 401                       |
+| the body is no event of the contract                    | 400                       |
+| the journal insert fails or outlasts `JOURNAL_BUDGET_S` | 503 (the gateway retries) |
+
+Then `200`, whether the event is new or a redelivery (counted as a duplicate). Applying it
+is the processor's business, after the answer. Log lines carry the event and message ids,
+never a secret or a signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from charge_worker.errors import DependencyUnavailable
+from charge_worker.webhook_inbox import Entry, Inbox
+from charge_worker.webhook_metrics import WebhookMetrics
+from charge_worker.webhook_signature import (
+    DeliveryRejected,
+    DeliveryTooLarge,
+    MalformedDelivery,
+    Verifier,
+    read_headers,
+)
+
+log = structlog.get_logger("charge_worker.webhooks")
+JOURNAL_BUDGET_S = 3.0  # the gateway gives up on an answer after 5 s
+Id = Annotated[str, Field(min_length=1, max_length=255)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class ChargeObject(_Model):
+    """The charge snapshot an event carries."""
+
+    id: Id
+    status: Annotated[str, Field(max_length=64)]
+    revision: Annotated[StrictInt, Field(ge=1, le=2**63 - 1)]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class EventData(_Model):
+    object: ChargeObject
+
+
+class GatewayEvent(_Model):
+    """A webhook body (contracts/gateway.md)."""
+
+    id: Id
+    type: Annotated[str, Field(min_length=1, max_length=100)]
+    created: StrictInt
+    data: EventData
+
+    def key(self) -> tuple[int | None, dt.date | None]:
+        """The ledger key from the charge's metadata; (None, None) when it has none."""
+        metadata = self.data.object.metadata
+        order_id, period = metadata.get("order_id"), metadata.get("billing_period")
+        if not (isinstance(order_id, str) and order_id.isdigit() and isinstance(period, str)):
+            return None, None
+        try:
+            return int(order_id), dt.date.fromisoformat(period)
+        except ValueError:
+            return None, None
+
+
+def parse_event(body: bytes) -> GatewayEvent:
+    """The event, or `MalformedDelivery` saying what is wrong (no body text in it)."""
+    try:
+        return GatewayEvent.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise MalformedDelivery(f"not a gateway event: {where}: {first['msg']}") from error
+
+
+def check_length(request: Request, max_bytes: int) -> None:
+    """`DeliveryTooLarge` when the declared `Content-Length` is over `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise DeliveryTooLarge(f"Content-Length is over {max_bytes} bytes")
+
+
+async def read_limited(request: Request, max_bytes: int) -> bytes:
+    """The body, or `DeliveryTooLarge` as soon as it passes `max_bytes` (the rest unread)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise DeliveryTooLarge(f"the body is over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def receiver(
+    *,
+    source: str,
+    verifier: Verifier,
+    inbox: Inbox,
+    metrics: WebhookMetrics,
+    max_bytes: int,
+    on_journaled: Callable[[], None] = lambda: None,
+) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint for one source's webhooks."""
+
+    async def receive(request: Request) -> Response:
+        started = time.perf_counter()
+        message_id = request.headers.get("webhook-id", "")[:255]
+        try:
+            check_length(request, max_bytes)
+            signed = read_headers(request.headers)
+            verifier.check_time(signed)
+            body = await read_limited(request, max_bytes)
+            verifier.verify(body, signed)
+            event = parse_event(body)
+        except DeliveryRejected as rejected:
+            metrics.deliveries.labels(source, rejected.result).inc()
+            log.info(
+                "webhook.rejected", source=source, message_id=message_id,
+                status=rejected.status_code, reason=str(rejected),
+            )  # fmt: skip
+            return JSONResponse({"error": str(rejected)}, status_code=rejected.status_code)
+        order_id, period = event.key()
+        entry = Entry(
+            source, event.id, signed.message_id, event.type, event.data.object.id,
+            event.data.object.revision, order_id, period, body.decode(),
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(JOURNAL_BUDGET_S):
+                new = await inbox.journal(entry)
+        except MalformedDelivery as rejected:
+            metrics.deliveries.labels(source, rejected.result).inc()
+            log.info("webhook.rejected", source=source, event_id=event.id, reason=str(rejected))
+            return JSONResponse({"error": str(rejected)}, status_code=400)
+        except (TimeoutError, DependencyUnavailable) as error:
+            metrics.deliveries.labels(source, "unavailable").inc()
+            log.warning(
+                "webhook.not_journaled", source=source, event_id=event.id,
+                error=f"{type(error).__name__}: {error}",
+            )  # fmt: skip
+            return JSONResponse(
+                {"error": "the journal is unavailable; retry"}, status_code=503,
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        metrics.deliveries.labels(source, "journaled" if new else "duplicate").inc()
+        if new:
+            on_journaled()
+        else:
+            metrics.duplicates.labels(source).inc()
+        metrics.journal_seconds.observe(time.perf_counter() - started)
+        log.info(
+            "webhook.received", source=source, event_id=event.id, message_id=signed.message_id,
+            type=event.type, charge_id=event.data.object.id,
+            revision=event.data.object.revision, duplicate=not new,
+        )  # fmt: skip
+        return JSONResponse({"received": event.id, "duplicate": not new})
+
+    return receive

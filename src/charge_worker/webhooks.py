@@ -1,0 +1,190 @@
+"""`charge-worker webhooks`: the gateway-webhook receiver and the journal's processor.
+
+One process serves `POST /webhooks/gateway` (verify, journal, answer: `webhook_receiver`)
+and `/healthz`, `/readyz`, `/metrics`, and runs the processor that applies journaled events
+to the ledger in revision order (`webhook_processor`). They use separate connection pools,
+so a processor stuck on a locked ledger row never takes the receiver's connections: the
+answer stays fast whatever the ledger does.
+
+SIGTERM and SIGINT only set the stop event: the server finishes the requests it has, the
+processor its current event (a lease makes any unfinished one available again), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from charge_worker.app import stop_on_signals, worker_id
+from charge_worker.errors import SettingsError
+from charge_worker.gateway import GatewayClient
+from charge_worker.health import DB_PROBE_TIMEOUT_S, WEDGED_AFTER_S
+from charge_worker.ledger import create_pool
+from charge_worker.settings import Settings
+from charge_worker.webhook_inbox import Inbox
+from charge_worker.webhook_metrics import WebhookMetrics
+from charge_worker.webhook_processor import Processor, ProcessorTuning
+from charge_worker.webhook_receiver import receiver
+from charge_worker.webhook_signature import Verifier
+
+log = structlog.get_logger("charge_worker.webhooks")
+SOURCE = "gateway"
+PROCESSOR_POOL_MAX = 3
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the command owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass(frozen=True)
+class Receiving:
+    """A started receiver, as `on_ready` sees it (tests use it to reach it)."""
+
+    port: int
+    processor: Processor
+
+
+async def serve_command(settings: Settings) -> int:
+    """Serve until SIGTERM or SIGINT; 0 after a clean stop."""
+    stop = asyncio.Event()
+    with stop_on_signals(stop):
+        await run_webhooks(settings, stop)
+    return 0
+
+
+async def run_webhooks(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    registry: CollectorRegistry | None = None,
+    tuning: ProcessorTuning | None = None,
+    on_ready: Callable[[Receiving], None] = lambda _r: None,
+) -> None:
+    """Receive and process webhooks until `stop` is set."""
+    cfg = settings.webhooks
+    verifier = Verifier.from_settings(cfg)  # no secret, no start
+    owner = worker_id()
+    metrics = WebhookMetrics(registry or CollectorRegistry(), source=SOURCE)
+    async with contextlib.AsyncExitStack() as resources:
+        listener = resources.enter_context(_listen(cfg.webhook_host, cfg.webhook_port))
+        gateway = GatewayClient(settings.gateway)
+        resources.push_async_callback(gateway.aclose)
+        receiver_pool = await create_pool(settings.db)
+        resources.push_async_callback(receiver_pool.close)
+        small = {"db_pool_min": 1, "db_pool_max": PROCESSOR_POOL_MAX}
+        processor_pool = await create_pool(settings.db.model_copy(update=small))
+        resources.push_async_callback(processor_pool.close)
+        processor = Processor(
+            Inbox(processor_pool), gateway, metrics,
+            owner=owner, retention_s=cfg.webhook_retention_s, tuning=tuning,
+        )  # fmt: skip
+        endpoint = receiver(
+            source=SOURCE,
+            verifier=verifier,
+            inbox=Inbox(receiver_pool),
+            metrics=metrics,
+            max_bytes=cfg.webhook_max_bytes,
+            on_journaled=processor.wake,
+        )
+        server = _Server(
+            uvicorn.Config(
+                _app(endpoint, metrics.registry, processor, receiver_pool, stop),
+                host=cfg.webhook_host, port=cfg.webhook_port, log_level="warning",
+                access_log=False, lifespan="off",
+            )
+        )  # fmt: skip
+        port = listener.getsockname()[1]
+        log.info("webhooks.started", port=port, owner=owner)
+        ready = Receiving(port, processor)
+        await _serve(server, listener, processor, stop, lambda: on_ready(ready))
+        log.info("webhooks.stopped")
+
+
+async def _serve(
+    server: uvicorn.Server,
+    listener: socket.socket,
+    processor: Processor,
+    stop: asyncio.Event,
+    ready: Callable[[], None],
+) -> None:
+    """Run server and processor until `stop`, or until either ends by itself (an error)."""
+    tasks = {
+        asyncio.create_task(server.serve(sockets=[listener])),
+        asyncio.create_task(processor.run(stop)),
+    }
+    stopping = asyncio.create_task(stop.wait())
+    ready()
+    try:
+        done, _ = await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done & tasks:
+            task.result()  # raises what ended it
+            if not stop.is_set():
+                raise RuntimeError("the webhook server or processor ended before a stop")
+    finally:
+        stop.set()
+        server.should_exit = True
+        stopping.cancel()
+        await asyncio.gather(*tasks, stopping, return_exceptions=True)
+
+
+def _app(
+    endpoint: Callable[[Request], Awaitable[Response]],
+    registry: CollectorRegistry,
+    processor: Processor,
+    pool: asyncpg.Pool,
+    stop: asyncio.Event,
+) -> Starlette:
+    async def scrape(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(_: Request) -> Response:
+        if time.monotonic() - processor.last_tick < WEDGED_AFTER_S:
+            return PlainTextResponse("ok")
+        return PlainTextResponse(f"processor loop wedged for over {WEDGED_AFTER_S:g}s", 503)
+
+    async def readyz(_: Request) -> Response:
+        if stop.is_set():
+            return PlainTextResponse("stopping", 503)
+        try:
+            async with asyncio.timeout(DB_PROBE_TIMEOUT_S):
+                await pool.fetchval("SELECT 1")
+        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+            return PlainTextResponse(f"PostgreSQL not answering: {type(error).__name__}", 503)
+        return PlainTextResponse("ready")
+
+    return Starlette(
+        routes=[
+            Route(f"/webhooks/{SOURCE}", endpoint, methods=["POST"]),
+            Route("/metrics", scrape),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+        ]
+    )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind now, so a bad port fails at start and port 0 is known at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise SettingsError(
+            f"CHARGE_WORKER_WEBHOOK_PORT: cannot listen on {host}:{port}: {error}"
+        ) from error
