@@ -24,10 +24,10 @@ from charge_worker import streams
 from charge_worker.checks import BATCH, rescore_deferred
 from charge_worker.consumer import Consumer
 from charge_worker.dlq import DeadLetters
-from charge_worker.errors import ChargeWorkerError, SettingsError
+from charge_worker.errors import ChargeWorkerError
 from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
-from charge_worker.health import Health, http_app, report_consumer_stats
+from charge_worker.health import Health, Server, http_app, listen, report_consumer_stats
 from charge_worker.ledger import DeferredChecks, Ledger, create_pool
 from charge_worker.metrics import Metrics
 from charge_worker.pipeline import Pipeline
@@ -40,14 +40,6 @@ log = structlog.get_logger("charge_worker.app")
 def worker_id() -> str:
     """This process's lease owner name: host, pid and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the worker owns SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 @contextlib.contextmanager
@@ -88,7 +80,9 @@ async def run_worker(
     on_ready: Callable[[Running], None] = lambda _r: None,
 ) -> None:
     """Run one worker until `stop` is set."""
-    listener = _listen(settings.http.http_host, settings.http.metrics_port)
+    listener = listen(
+        settings.http.http_host, settings.http.metrics_port, setting="CHARGE_WORKER_METRICS_PORT"
+    )
     owner = worker_id()
     structlog.contextvars.bind_contextvars(worker=owner)
     nc = await streams.connect(settings.nats, name=f"charge-worker {owner}")
@@ -124,7 +118,7 @@ async def run_worker(
     health = Health(
         last_tick=lambda: consumer.last_tick, consuming=consumer.ready.is_set, nc=nc, pool=pool
     )
-    server = _Server(
+    server = Server(
         uvicorn.Config(
             http_app(metrics, health),  # served on `listener`, bound above
             log_level="warning",
@@ -164,14 +158,3 @@ async def run_worker(
         await pool.close()
         await nc.drain()
         log.info("worker.stopped")
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """Bind the HTTP port now, so a bad one fails at start and port 0 is known at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family)
-    except OSError as error:
-        raise SettingsError(
-            f"CHARGE_WORKER_METRICS_PORT: cannot listen on {host}:{port}: {error}"
-        ) from error

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import asyncpg
 import nats.errors
 import nats.js.errors
+import uvicorn
 from nats.aio.client import Client
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -24,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from charge_worker.errors import SettingsError
 from charge_worker.metrics import Metrics
 from charge_worker.settings import NatsSettings
 
@@ -97,3 +100,20 @@ async def report_consumer_stats(
             metrics.dlq_messages.set(dlq.state.messages)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
+
+
+class Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the command owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def listen(host: str, port: int, *, setting: str) -> socket.socket:
+    """Bind now, so a taken port fails at start naming `setting`, and port 0 is known at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise SettingsError(f"{setting}: cannot listen on {host}:{port}: {error}") from error

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -29,9 +29,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from charge_worker.app import stop_on_signals, worker_id
-from charge_worker.errors import SettingsError
 from charge_worker.gateway import GatewayClient
-from charge_worker.health import DB_PROBE_TIMEOUT_S, WEDGED_AFTER_S
+from charge_worker.health import DB_PROBE_TIMEOUT_S, WEDGED_AFTER_S, Server, listen
 from charge_worker.ledger import create_pool
 from charge_worker.settings import Settings
 from charge_worker.webhook_inbox import Inbox
@@ -43,14 +42,6 @@ from charge_worker.webhook_signature import Verifier
 log = structlog.get_logger("charge_worker.webhooks")
 SOURCE = "gateway"
 PROCESSOR_POOL_MAX = 3
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the command owns SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 @dataclass(frozen=True)
@@ -83,7 +74,9 @@ async def run_webhooks(
     owner = worker_id()
     metrics = WebhookMetrics(registry or CollectorRegistry(), source=SOURCE)
     async with contextlib.AsyncExitStack() as resources:
-        listener = resources.enter_context(_listen(cfg.webhook_host, cfg.webhook_port))
+        listener = resources.enter_context(
+            listen(cfg.webhook_host, cfg.webhook_port, setting="CHARGE_WORKER_WEBHOOK_PORT")
+        )
         gateway = GatewayClient(settings.gateway)
         resources.push_async_callback(gateway.aclose)
         receiver_pool = await create_pool(settings.db)
@@ -103,7 +96,7 @@ async def run_webhooks(
             max_bytes=cfg.webhook_max_bytes,
             on_journaled=processor.wake,
         )
-        server = _Server(
+        server = Server(
             uvicorn.Config(
                 _app(endpoint, metrics.registry, processor, receiver_pool, stop),
                 host=cfg.webhook_host, port=cfg.webhook_port, log_level="warning",
@@ -177,14 +170,3 @@ def _app(
             Route("/readyz", readyz),
         ]
     )
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """Bind now, so a bad port fails at start and port 0 is known at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family)
-    except OSError as error:
-        raise SettingsError(
-            f"CHARGE_WORKER_WEBHOOK_PORT: cannot listen on {host}:{port}: {error}"
-        ) from error
