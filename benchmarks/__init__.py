@@ -1,0 +1,17 @@
+"""The benchmark harness behind `make bench` (issue 8): the worker against the bare pipeline.
+
+One run starts the stack (embedded nats-server and PostgreSQL unless NATS_URL /
+DATABASE_URL are set; the gateway and scoring simulators as child processes) and measures,
+each case several times (median, min, max):
+
+1. the bare pipeline (`bare_pipeline.py`): the worker's I/O with none of its safety;
+2. the worker (`charge-worker run`) at zero latency: charges/s, CPU per charge,
+   publish-to-ack latency at half load, peak RSS (`throughput.py`);
+3. latency-bound, 4. incident shape, 5. scale-out to two processes (`latency_bound.py`);
+6. RSS after 10,000 charges and after as many more as fit the budget (`memory.py`);
+
+plus a cProfile of each at saturation (`profiling.py`). It prints a table, the ratios
+against the issue's targets (MET / MISSED), and writes `benchmarks/results/latest.json`.
+How one sample is measured: `drain.py`; statistics: `stats.py`. Results and the reading of
+them: `docs/performance.md`.
+"""

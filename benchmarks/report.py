@@ -1,0 +1,413 @@
+"""The printed table, the ratios against the issue's targets, and the JSON record."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.drain import Drained
+from benchmarks.latency_bound import INCIDENT_SCORING, SCORING, bound, mean_latency_s
+from benchmarks.memory import MemoryResult
+from benchmarks.profiling import Profile
+from benchmarks.stats import Summary, Target, median, ratio
+
+MIB = 1024 * 1024  # RSS is reported in binary megabytes
+GROUPS = ("consumer", "postgres", "gateway sim", "scoring sim", "nats-server", "harness")
+
+TARGETS = {
+    "throughput": Target("worker / bare throughput", ">=", 0.85),
+    "cpu": Target("worker / bare CPU per charge", "<=", 1.25),
+    "little": Target("latency-bound / Little's law", ">=", 0.9),
+    "incident": Target("incident / latency-bound", ">=", 0.8),
+    "scale_out": Target("2 processes / 1 process", ">=", 1.8),
+    "rss": Target("RSS growth 10k -> last step", "<", 0.10),
+}
+
+
+@dataclass
+class Results:
+    concurrency: int
+    bare: list[Drained] = field(default_factory=list)
+    worker: list[Drained] = field(default_factory=list)
+    bare_latency_bound: list[Drained] = field(default_factory=list)
+    latency_bound: list[Drained] = field(default_factory=list)
+    incident: list[Drained] = field(default_factory=list)
+    scale_out: list[Drained] = field(default_factory=list)
+    memory: MemoryResult | None = None
+    profiles: dict[str, tuple[Drained, Profile]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    key: str
+    value: float  # from the medians
+    pairwise: list[float]  # sample k of one case against sample k of the other
+    note: str = ""
+
+    @property
+    def target(self) -> Target:
+        return TARGETS[self.key]
+
+    def as_json(self) -> dict[str, Any]:
+        target = self.target
+        return {
+            "name": target.name,
+            "value": self.value,
+            "pairwise": self.pairwise,
+            "target": target.wanted,
+            "met": target.met(self.value),
+            "note": self.note,
+        }
+
+
+def _summary(samples: Sequence[Drained], figure: Callable[[Drained], float]) -> Summary | None:
+    values = [figure(sample) for sample in samples]
+    values = [value for value in values if not math.isnan(value)]
+    return Summary.of(values) if values else None
+
+
+def _fmt(summary: Summary | None, spec: str = ",.0f", scale: float = 1.0) -> str:
+    if summary is None:
+        return "-"
+    mid, low, high = (summary.median / scale, summary.minimum / scale, summary.maximum / scale)
+    if summary.n == 1:
+        return format(mid, spec)
+    return f"{mid:{spec}} ({low:{spec}}-{high:{spec}})"
+
+
+def _rate(sample: Drained) -> float:
+    return sample.rate
+
+
+def _cpu(sample: Drained) -> float:
+    return sample.cpu_us_per_charge()
+
+
+def _cpu_all(sample: Drained) -> float:
+    return sum(sample.cpu_us_per_charge(group) for group in GROUPS)
+
+
+def _pairwise(
+    top: Sequence[Drained], bottom: Sequence[Drained], figure: Callable[[Drained], float]
+) -> list[float]:
+    return [ratio(figure(a), figure(b)) for a, b in zip(top, bottom, strict=False)]
+
+
+def mean_slot_s(samples: Sequence[Drained]) -> float:
+    """Mean delivery-to-ack time over every message of the samples (server's view)."""
+    times = [t for sample in samples for t in sample.service_s]
+    return sum(times) / len(times) if times else math.nan
+
+
+def ratios(results: Results) -> list[Ratio]:
+    out: list[Ratio] = []
+    conc = results.concurrency
+    if results.bare and results.worker:
+        bare_rate = median([_rate(s) for s in results.bare])
+        worker_rate = median([_rate(s) for s in results.worker])
+        out.append(
+            Ratio(
+                "throughput",
+                ratio(worker_rate, bare_rate),
+                _pairwise(results.worker, results.bare, _rate),
+            )
+        )
+        bare_cpu = median([_cpu(s) for s in results.bare])
+        worker_cpu = median([_cpu(s) for s in results.worker])
+        bare_all = median([_cpu_all(s) for s in results.bare])
+        worker_all = median([_cpu_all(s) for s in results.worker])
+        out.append(
+            Ratio(
+                "cpu",
+                ratio(worker_cpu, bare_cpu),
+                _pairwise(results.worker, results.bare, _cpu),
+                f"consumer process only; all processes (PostgreSQL, simulators, nats-server, "
+                f"harness too): worker {worker_all:,.0f} vs bare {bare_all:,.0f} us/charge = "
+                f"{ratio(worker_all, bare_all):.2f}",
+            )
+        )
+    if results.latency_bound:
+        little = bound(conc, SCORING)
+        rates = [_rate(s) for s in results.latency_bound]
+        slot = mean_slot_s(results.latency_bound)
+        note = (
+            f"bound {little:.1f}/s = {conc} slots / {mean_latency_s(SCORING) * 1e3:.0f} ms "
+            f"mean dependency latency; worker's mean slot time {slot * 1e3:.0f} ms"
+        )
+        if results.bare_latency_bound:
+            bare = median([_rate(s) for s in results.bare_latency_bound])
+            note += (
+                f"; the bare pipeline, same case: {ratio(bare, little):.2f} of the bound, "
+                f"slot time {mean_slot_s(results.bare_latency_bound) * 1e3:.0f} ms "
+                f"(worker / bare {ratio(median(rates), bare):.2f})"
+            )
+        out.append(Ratio("little", ratio(median(rates), little), [r / little for r in rates], note))
+    if results.latency_bound and results.incident:
+        own = bound(conc, INCIDENT_SCORING)
+        incident = median([_rate(s) for s in results.incident])
+        out.append(
+            Ratio(
+                "incident",
+                ratio(incident, median([_rate(s) for s in results.latency_bound])),
+                _pairwise(results.incident, results.latency_bound, _rate),
+                f"the incident's own Little bound is {own:.1f}/s (mean latency "
+                f"{mean_latency_s(INCIDENT_SCORING) * 1e3:.0f} ms with the 2 s deadline): "
+                f"ceiling for this ratio {ratio(own, bound(conc, SCORING)):.2f}; measured "
+                f"incident / own bound {ratio(incident, own):.2f}; mean slot time "
+                f"{mean_slot_s(results.incident) * 1e3:.0f} ms",
+            )
+        )
+    if results.latency_bound and results.scale_out:
+        out.append(
+            Ratio(
+                "scale_out",
+                ratio(
+                    median([_rate(s) for s in results.scale_out]),
+                    median([_rate(s) for s in results.latency_bound]),
+                ),
+                _pairwise(results.scale_out, results.latency_bound, _rate),
+                f"bound for 2 processes {bound(conc, SCORING, 2):.1f}/s",
+            )
+        )
+    if results.memory is not None:
+        mem = results.memory
+        (n0, r0), (n1, r1) = mem.at_first_step, mem.at_last_step
+        out.append(
+            Ratio(
+                "rss",
+                mem.growth,
+                [],
+                f"RSS {r0 / MIB:.1f} MiB after {n0:,} -> {r1 / MIB:.1f} MiB after {n1:,} charges"
+                + ("" if mem.plan.messages >= mem.plan.goal else f" ({mem.plan.why})"),
+            )
+        )
+    return out
+
+
+def _latency(samples: Sequence[Drained], key: str) -> Summary | None:
+    values = [s.latency[key] for s in samples if key in s.latency]
+    return Summary.of(values) if values else None
+
+
+def table(results: Results) -> list[str]:
+    lines = [
+        "Results: median (min-max) over the samples; rates are steady (10 %-90 % of the drain);",
+        "'other': cores busy with processes outside the benchmark during the drains (median)",
+        "",
+        f"{'case':<22} {'n':>2} {'messages':>8} {'charges/s':>18} {'consumer CPU us/charge':>24}"
+        f" {'other':>5}  notes",
+    ]
+    conc = results.concurrency
+    cases: list[tuple[str, list[Drained], str]] = [
+        ("1 bare pipeline", results.bare, "zero-latency simulators; the in-run ceiling"),
+        ("2 worker", results.worker, ""),
+        ("3 latency-bound bare", results.bare_latency_bound, "the in-run ceiling for case 3"),
+        ("3 latency-bound", results.latency_bound, f"Little bound {bound(conc, SCORING):.1f}/s"),
+        ("4 incident", results.incident, f"own Little bound {bound(conc, INCIDENT_SCORING):.1f}/s"),
+        ("5 scale-out x2", results.scale_out, f"Little bound {bound(conc, SCORING, 2):.1f}/s"),
+    ]
+    for name, samples, base_note in cases:
+        if not samples:
+            continue
+        note = base_note
+        if name == "2 worker":
+            p50, p99 = _latency(samples, "p50_s"), _latency(samples, "p99_s")
+            peak = _summary(samples, lambda s: float(max(s.peak_rss)))
+            note = (
+                f"publish->ack at 50 % load: p50 {_fmt(p50, '.1f', 1e-3)} ms, "
+                f"p99 {_fmt(p99, '.1f', 1e-3)} ms; peak RSS {_fmt(peak, '.0f', MIB)} MiB"
+            )
+        if name == "4 incident":
+            failed = _summary(samples, lambda s: s.worker_metrics.get("scoring_failed", 0.0))
+            note += f"; scoring cut at 2 s: {_fmt(failed)} per run"
+        lines.append(
+            f"{name:<22} {len(samples):>2} {samples[0].messages:>8,} "
+            f"{_fmt(_summary(samples, _rate)):>18} {_fmt(_summary(samples, _cpu)):>24} "
+            f"{median([s.other_cores for s in samples]):>5.2f}  {note}"
+        )
+    if results.memory is not None:
+        mem = results.memory
+        d = mem.drained
+        lines.append(
+            f"{'6 memory':<22} {1:>2} {d.messages:>8,} {d.rate:>18,.0f} "
+            f"{d.cpu_us_per_charge():>24,.0f} {d.other_cores:>5.2f}  RSS "
+            + ", ".join(f"{n // 1000}k: {rss / MIB:.1f} MiB" for n, (rss,) in _steps(mem))
+        )
+    return lines
+
+
+def _steps(mem: MemoryResult) -> list[tuple[int, tuple[int]]]:
+    return [(acked, (rss[0],)) for acked, rss in mem.drained.rss_by_acked]
+
+
+def cpu_split(results: Results) -> list[str]:
+    """CPU µs per charge of every process group, bare vs worker at zero latency."""
+    lines = ["", "CPU per charge by process, zero latency (median us/charge)", ""]
+    header = f"{'process':<14}" + "".join(f"{name:>12}" for name in ("bare", "worker"))
+    lines.append(header)
+    cases = (results.bare, results.worker)
+    if not all(cases):
+        return []
+    totals = [0.0, 0.0]
+    for group in GROUPS:
+        values = [median([s.cpu_us_per_charge(group) for s in samples]) for samples in cases]
+        totals = [t + v for t, v in zip(totals, values, strict=True)]
+        lines.append(f"{group:<14}" + "".join(f"{v:>12,.0f}" for v in values))
+    lines.append(f"{'all':<14}" + "".join(f"{v:>12,.0f}" for v in totals))
+    busy = [median([_cpu_all(s) * s.acked / 1e6 / s.seconds for s in samples]) for samples in cases]
+    lines.append(f"{'cores busy':<14}" + "".join(f"{v:>12.2f}" for v in busy))
+    other = [median([s.other_cores for s in samples]) for samples in cases]
+    lines.append(f"{'other load':<14}" + "".join(f"{v:>12.2f}" for v in other))
+    return lines
+
+
+def _short(frame: str) -> str:
+    for marker in ("site-packages/", "/src/", "/lib/python3"):
+        if marker in frame:
+            return frame.split(marker, 1)[1].removeprefix(".11/")
+    return frame
+
+
+def heap_lines(results: Results) -> list[str]:
+    """With --trace-memory: the Python objects a traced stretch of charges left alive."""
+    mem = results.memory
+    if mem is None or not mem.heap:
+        return []
+    (n0, r0), (n1, r1) = mem.at_first_step, mem.at_last_step
+    heap = mem.heap
+    lines = [
+        "",
+        f"Worker memory, charges {n0:,} -> {n1:,} traced by tracemalloc: RSS {r0 / MIB:.1f} -> "
+        f"{r1 / MIB:.1f} MiB; Python objects allocated in that stretch and alive at its end: "
+        f"{heap['alive_bytes'] / MIB:.2f} MiB in {heap['alive_objects']:,} objects",
+        "  largest by allocation site (innermost frame first):",
+    ]
+    for site in heap["top_sites"][:8]:
+        # tracemalloc lists frames oldest first: show the innermost (allocating) ones first
+        where = " <- ".join(_short(frame) for frame in reversed(site["traceback"][-3:]))
+        lines.append(f"  {site['size'] / 1024:9,.0f} KiB {site['count']:8,} objs  {where}")
+    return lines
+
+
+def profile_lines(results: Results, top: int = 12) -> list[str]:
+    """Each profile's split; "~real" scales a share to the unprofiled CPU per charge."""
+    lines: list[str] = []
+    unprofiled = {"bare": results.bare, "worker": results.worker}
+    for which, (drained, profile) in results.profiles.items():
+        n = max(drained.acked, 1)
+        timed = unprofiled.get(which) or []
+        real_us = median([_cpu(s) for s in timed]) if timed else math.nan
+        lines += [
+            "",
+            f"Profile of the {which} at saturation (cProfile, CPU clock, {drained.acked:,} "
+            f"charges; {profile.total_s / n * 1e6:,.0f} us/charge profiled, overhead included;",
+            f"  ~real: the share times the unprofiled {real_us:,.0f} us/charge of case 1/2)",
+            f"  {'share':>6} {'profiled':>9} {'~real':>6}  us/charge",
+        ]
+        for package, seconds in profile.by_package[:top]:
+            share = seconds / profile.total_s if profile.total_s else 0.0
+            lines.append(
+                f"  {share:6.1%} {seconds / n * 1e6:9,.0f} {share * real_us:6,.0f}  {package}"
+            )
+        if profile.steps:
+            lines.append("  steps of one charge (cumulative, callees included):")
+        for label, seconds in profile.steps:
+            share = seconds / profile.total_s if profile.total_s else 0.0
+            lines.append(
+                f"  {share:6.1%} {seconds / n * 1e6:9,.0f} {share * real_us:6,.0f}  {label}"
+            )
+        lines.append("  costliest functions (own time):")
+        for where, seconds, calls in profile.top_functions[:8]:
+            lines.append(
+                f"  {seconds / n * 1e6:9,.0f} profiled us/charge {calls / n:8,.1f} calls/charge  "
+                f"{where}"
+            )
+    return lines
+
+
+def _all_samples(results: Results) -> list[tuple[str, Drained]]:
+    named: list[tuple[str, Drained]] = []
+    for name in ("bare", "worker", "bare_latency_bound", "latency_bound", "incident", "scale_out"):
+        named += [(f"{name} {k}", s) for k, s in enumerate(getattr(results, name), start=1)]
+    if results.memory is not None:
+        named.append(("memory", results.memory.drained))
+    named += [(f"profile {which}", drained) for which, (drained, _) in results.profiles.items()]
+    return named
+
+
+def anomalies(results: Results) -> list[str]:
+    """Anything that would make a sample's figures mean something else than intended."""
+    found = []
+    for name, sample in _all_samples(results):
+        if name == "memory" and sample.acked < sample.messages:
+            continue  # stopped by its time budget, as its own line says
+        expected = sample.messages + int(sample.latency.get("published", 0))
+        charged = sample.sims.get("gateway", {}).get("charges")
+        problems = []
+        if sample.acked < sample.messages:
+            problems.append(f"only {sample.acked} of {sample.messages} acked in time")
+        if sample.statuses != {"succeeded": expected}:
+            problems.append(f"ledger {sample.statuses}, expected {expected} succeeded")
+        if charged is not None and charged != expected:
+            problems.append(f"gateway made {charged} charges for {expected} messages")
+        if sample.worker_metrics.get("redeliveries"):
+            problems.append(f"{sample.worker_metrics['redeliveries']:.0f} redeliveries")
+        if any(code != 0 for code in sample.exit_codes):
+            problems.append(f"exit codes {sample.exit_codes}")
+        if problems:
+            found.append(f"{name}: " + "; ".join(problems))
+    return found
+
+
+CONTENDED_CORES = 0.2
+
+
+def contended(results: Results) -> list[str]:
+    """Samples during which something outside the benchmark used the CPU noticeably."""
+    return [
+        f"{name}: {sample.other_cores:.2f} cores busy elsewhere, "
+        f"{sample.steal_cores:.2f} stolen by the hypervisor"
+        for name, sample in _all_samples(results)
+        if sample.other_cores > CONTENDED_CORES or sample.steal_cores > CONTENDED_CORES / 4
+    ]
+
+
+def check_lines(results: Results) -> list[str]:
+    busy = contended(results)
+    noisy = (
+        [f"CONTENDED: {len(busy)} sample(s) ran while other processes used the CPU:"]
+        + [f"  {line}" for line in busy]
+        if busy
+        else ["Quiet machine: no sample saw more than 0.2 cores used outside the benchmark."]
+    )
+    return [*_check_lines(results), *noisy]
+
+
+def _check_lines(results: Results) -> list[str]:
+    found = anomalies(results)
+    if not found:
+        return [
+            "",
+            "Checks: in every sample each message was acked once, charged once at the gateway "
+            "and is 'succeeded' in the ledger; no redelivery; every consumer exited 0.",
+        ]
+    return ["", "CHECKS FAILED (figures below may not mean what they say):"] + [
+        f"  {line}" for line in found
+    ]
+
+
+def ratio_lines(found: list[Ratio]) -> list[str]:
+    lines = ["", "Ratios against the targets of issue 8", ""]
+    for item in found:
+        target = item.target
+        pairs = ", ".join(f"{p:.2f}" for p in item.pairwise)
+        lines.append(
+            f"  {target.name:<32} {item.value:6.2f}   target {target.wanted:<7} "
+            f"{'NOT MEASURED' if math.isnan(item.value) else target.verdict(item.value):<6}"
+            + (f"  samples: {pairs}" if pairs else "")
+        )
+        if item.note:
+            lines.append(f"  {'':<32} {item.note}")
+    return lines

@@ -1,0 +1,84 @@
+"""Cases 1 and 2: the bare pipeline (the ceiling) and the worker, zero-latency simulators.
+
+Both drain the same number of messages with the same concurrency, pool size and HTTP
+client stack; their samples alternate (bare, worker, bare, worker, ...) so drift of the
+machine falls on both alike. After each worker sample a paced phase publishes at half the
+rate just measured and takes publish-to-ack latencies (`drain.py`, `load.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from benchmarks.bare_pipeline import BareConfig
+from benchmarks.bench import ROOT, Bench
+from benchmarks.drain import ChildConsumer, Drained, Plan, Workers, child_env
+from benchmarks.processes import Child, python_argv
+from charge_worker.sandbox.latency import LatencyModel
+from charge_worker.settings import Settings
+
+ZERO = LatencyModel.fixed(0.0)
+PACED_FRACTION = 0.5
+
+
+def bare_consumer(
+    bench: Bench, settings: Settings, name: str, profile: Path | None = None
+) -> ChildConsumer:
+    """The bare pipeline as a child process, mirroring `settings`."""
+    assert settings.db.url is not None
+    ready_file = bench.log_dir / f"{name}.ready"
+    ready_file.unlink(missing_ok=True)
+    config = BareConfig(
+        nats_url=bench.stack.nats_url,
+        stream=settings.nats.stream,
+        durable=settings.nats.durable,
+        database_url=settings.db.url,
+        gateway_url=bench.stack.gateway.url,
+        scoring_url=bench.stack.scoring.url,
+        api_key=bench.stack.api_key,
+        concurrency=settings.worker.concurrency,
+        db_pool_max=settings.db.db_pool_max,
+        http_timeout_s=settings.gateway.gateway_timeout_s,
+        fetch_wait_s=settings.worker.fetch_wait_s,
+        ready_file=str(ready_file),
+    )
+    argv = python_argv("-m", "benchmarks.bare_pipeline", config.model_dump_json())
+    if profile is not None:
+        argv += ["--profile", str(profile)]
+    child = Child(name, argv, bench.log_dir / f"{name}.log", env=child_env(settings, ROOT))
+
+    async def ready(_http: httpx.AsyncClient) -> bool:
+        return ready_file.exists()
+
+    return ChildConsumer(child, ready)
+
+
+def zero_latency_plan(bench: Bench, messages: int, *, paced: bool = False) -> Plan:
+    return Plan(
+        messages=messages,
+        gateway=ZERO,
+        scoring=ZERO,
+        timeout_s=max(120.0, messages / 20),
+        paced_fraction=PACED_FRACTION if paced else 0.0,
+        paced_s=bench.sizes.paced_s,
+    )
+
+
+async def bare_sample(bench: Bench, k: int) -> Drained:
+    database_url = await bench.stack.new_database()
+    settings = bench.settings(database_url)
+    plan = zero_latency_plan(bench, bench.sizes.throughput_messages)
+    consumer = bare_consumer(bench, settings, f"bare-{k}")
+    return await bench.sample(f"bare pipeline {k}/{bench.sizes.repeats}", plan, settings, consumer)
+
+
+async def worker_sample(bench: Bench, k: int) -> Drained:
+    database_url = await bench.stack.new_database()
+    settings = bench.settings(database_url)
+    plan = zero_latency_plan(bench, bench.sizes.throughput_messages, paced=True)
+    log_dir = bench.log_dir / f"worker-{k}"
+    log_dir.mkdir(exist_ok=True)
+    workers = Workers(settings, log_dir)
+    return await bench.sample(f"worker {k}/{bench.sizes.repeats}", plan, settings, workers)
