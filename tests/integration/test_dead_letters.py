@@ -10,11 +10,16 @@ from charge_worker.dlq import DeadLetters
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
 
-from .worker_harness import due, eventually, provisioned, publish, running_worker, settings_for
-
-
-async def dlq_messages(nc: Client, cfg: NatsSettings) -> int:
-    return (await nc.jetstream().stream_info(cfg.dlq_stream)).state.messages
+from .worker_harness import (
+    consumer_idle,
+    dead_letters_at_least,
+    due,
+    eventually,
+    provisioned,
+    publish,
+    running_worker,
+    settings_for,
+)
 
 
 async def test_max_deliveries_advisory_dead_letters_the_stream_copy(
@@ -41,7 +46,7 @@ async def test_max_deliveries_advisory_dead_letters_the_stream_copy(
     sub = await js.pull_subscribe_bind(durable=cfg.durable, stream=cfg.stream)
     [taken] = await sub.fetch(1, timeout=5)  # taken, then "the worker dies": never settled
     assert taken.metadata.num_delivered == 1
-    await eventually(lambda: _has_dead_letter(nc, cfg), "the advisory's dead letter")
+    await eventually(lambda: dead_letters_at_least(nc, cfg), "the advisory's dead letter")
     dead = await js.get_msg(cfg.dlq_stream, 1)
     headers = dead.headers or {}
     assert dead.data == body
@@ -49,10 +54,6 @@ async def test_max_deliveries_advisory_dead_letters_the_stream_copy(
     assert headers["Dlq-Stream-Seq"] == str(seq)
     assert headers["Dlq-Orig-Msg-Id"] == "charge:51:2026-12-01"
     assert headers["Nats-Msg-Id"] == f"dlq:{seq}"
-
-
-async def _has_dead_letter(nc: Client, cfg: NatsSettings) -> bool:
-    return await dlq_messages(nc, cfg) >= 1
 
 
 async def test_unwritable_dead_letter_stream_naks_never_drops(
@@ -74,6 +75,5 @@ async def test_unwritable_dead_letter_stream_naks_never_drops(
 
         await eventually(redelivered, "the poison redelivered, not dropped")
         await streams.provision(js, settings.nats)  # the DLQ is back
-        await eventually(lambda: _has_dead_letter(nc, settings.nats), "dead-lettered at last")
-    info = await js.consumer_info(settings.nats.stream, settings.nats.durable)
-    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+        await eventually(lambda: dead_letters_at_least(nc, settings.nats), "dead-lettered at last")
+    assert await consumer_idle(nc, settings.nats)

@@ -26,6 +26,8 @@ from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 
 from .worker_harness import (
+    consumer_idle,
+    dead_letters_at_least,
     due,
     eventually,
     gateway_charges,
@@ -127,13 +129,8 @@ async def test_ten_concurrent_copies_charge_once(
         await publish(js, settings.nats.subject, due(8), msg_id=f"copy-{copy}")
     async with running_worker(settings):
         await eventually(settled(database_url, 1), "the charge settled")
-        await eventually(lambda: _consumer_idle(nc, settings), "every copy acked", within_s=90)
+        await eventually(lambda: consumer_idle(nc, settings.nats), "every copy acked", within_s=90)
     assert await gateway_charges(gateway_sim.url) == {"8:2026-12-01": 1}
-
-
-async def _consumer_idle(nc: Client, settings: Settings) -> bool:
-    info = await nc.jetstream().consumer_info(settings.nats.stream, settings.nats.durable)
-    return info.num_pending == 0 and info.num_ack_pending == 0
 
 
 async def test_scoring_slower_than_ack_wait_charges_once_without_redelivery(
@@ -164,7 +161,7 @@ async def test_idempotency_disabled_at_the_gateway_still_charges_once(
         await publish(js, settings.nats.subject, due(10), msg_id=f"copy-{copy}")
     async with running_worker(settings):
         await eventually(settled(database_url, 1), "the charge settled")
-        await eventually(lambda: _consumer_idle(nc, settings), "every copy acked")
+        await eventually(lambda: consumer_idle(nc, settings.nats), "every copy acked")
     assert await gateway_charges(gateway_sim.url) == {"10:2026-12-01": 1}
 
 
@@ -182,7 +179,7 @@ async def test_poison_is_dead_lettered_after_one_delivery(
     js = await provisioned(nc, settings)
     seq = await publish(js, settings.nats.subject, body, msg_id="poison-1")
     async with running_worker(settings):
-        await eventually(lambda: _dlq_count(nc, settings, 1), "one dead letter")
+        await eventually(lambda: dead_letters_at_least(nc, settings.nats), "one dead letter")
     dead = await js.get_msg(settings.nats.dlq_stream, 1)
     headers = dead.headers or {}
     assert dead.data == body  # byte for byte
@@ -191,12 +188,7 @@ async def test_poison_is_dead_lettered_after_one_delivery(
     assert headers["Dlq-Stream-Seq"] == str(seq)
     assert headers["Dlq-Num-Delivered"] == "1"
     assert headers["Dlq-Orig-Msg-Id"] == "poison-1"
-    assert await _consumer_idle(nc, settings)
-
-
-async def _dlq_count(nc: Client, settings: Settings, count: int) -> bool:
-    info = await nc.jetstream().stream_info(settings.nats.dlq_stream)
-    return info.state.messages >= count
+    assert await consumer_idle(nc, settings.nats)
 
 
 async def test_conflicting_payload_is_dead_lettered_never_charged(
@@ -207,7 +199,9 @@ async def test_conflicting_payload_is_dead_lettered_never_charged(
     async with running_worker(settings):
         await eventually(settled(database_url, 1), "the first charge settled")
         await publish(js, settings.nats.subject, due(13, amount=900), msg_id="other-amount")
-        await eventually(lambda: _dlq_count(nc, settings, 1), "the conflict dead-lettered")
+        await eventually(
+            lambda: dead_letters_at_least(nc, settings.nats), "the conflict dead-lettered"
+        )
     dead = await js.get_msg(settings.nats.dlq_stream, 1)
     assert (dead.headers or {})["Dlq-Reason"] == "conflict"
     assert await gateway_charges(gateway_sim.url) == {"13:2026-12-01": 1}
@@ -227,7 +221,9 @@ async def test_max_deliveries_dead_letters_with_the_original_payload(
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, body)
     async with running_worker(settings) as worker:
-        await eventually(lambda: _dlq_count(nc, settings, 1), "dead-lettered after 3 deliveries")
+        await eventually(
+            lambda: dead_letters_at_least(nc, settings.nats), "dead-lettered after 3 deliveries"
+        )
         assert worker.metric("charge_worker_messages_total", outcome="crashed", action="nak") == 2
     dead = await js.get_msg(settings.nats.dlq_stream, 1)
     headers = dead.headers or {}

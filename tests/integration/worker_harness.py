@@ -120,6 +120,16 @@ async def eventually(
         await asyncio.sleep(0.05)
 
 
+async def consumer_idle(nc: Client, cfg: NatsSettings) -> bool:
+    """Nothing left for the durable consumer: none pending, none awaiting an ack."""
+    info = await nc.jetstream().consumer_info(cfg.stream, cfg.durable)
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def dead_letters_at_least(nc: Client, cfg: NatsSettings, count: int = 1) -> bool:
+    return (await nc.jetstream().stream_info(cfg.dlq_stream)).state.messages >= count
+
+
 async def gateway_charges(gateway_url: str) -> Counter[str]:
     """Successful charges per idempotency key, counted at the gateway simulator."""
     async with httpx.AsyncClient() as client:
