@@ -59,6 +59,8 @@ def parse(body: bytes) -> ChargeDue:
         data = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         raise PoisonMessage(f"body is not UTF-8 JSON: {_first_line(error)}") from error
+    except RecursionError as error:  # a RuntimeError: `[[[[…` deeper than the C stack allows
+        raise PoisonMessage("body is nested too deeply to parse") from error
     if not isinstance(data, dict):
         raise PoisonMessage(f"body is a JSON {type(data).__name__}, not an object")
     if data.get("schema") != SCHEMA:

@@ -43,6 +43,8 @@ POISON = [
     (b"\xff\xfe", "not UTF-8 JSON"),
     (b"[1, 2]", "not an object"),
     (b'{"order_id": ' + b"9" * 5000 + b"}", "not UTF-8 JSON"),
+    # found by the chaos suite: RecursionError is no ValueError, and crashed the delivery
+    (b'{"deep": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
     (b" " * (MAX_BODY_BYTES + 1), "byte limit"),
     (body(schema="charge.due/v2"), "schema"),
     (body(schema=...), "schema"),
