@@ -99,6 +99,10 @@ def _headline(key: str, state: dict[str, Any]) -> str:
     ]
     if "lease_owner" in state:
         lines.append(f"  leased by {state['lease_owner']} until {state['lease_until']}")
+    if "gateway_revision" in state:  # set by the webhook inbox
+        lines.append(f"  gateway revision {state['gateway_revision']} (webhooks applied)")
+    if "disputed_at" in state:
+        lines.append(f"  disputed at {state['disputed_at'].isoformat()}")
     for name in ("last_error", "review_reason"):
         if name in state:
             lines.append(f"  {name.replace('_', ' ')}: {state[name]}")

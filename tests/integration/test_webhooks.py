@@ -810,6 +810,7 @@ async def test_explain_shows_the_webhooks_applied_to_a_charge(
     out = capsys.readouterr().out
     assert code == 0
     assert "charge 15:2026-12-01: refunded ch_15" in out
+    assert "  gateway revision 2 (webhooks applied)" in out
     [line] = [line for line in out.splitlines() if "  webhooks  " in line]
     assert "  webhook  " in line
     assert f"event_id {refund['id']}" in line
