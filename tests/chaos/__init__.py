@@ -1,0 +1,1 @@
+"""Reliability tests: the worker under injected network and server faults."""
