@@ -8,6 +8,7 @@ kept here, is what makes a new setting fail the check until the chart knows abou
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import SecretStr
 from pydantic_core import PydanticUndefined
 
-from charge_worker.settings import Settings, env_name
+from charge_worker.settings import ENV_PREFIX, Settings, env_name
 
 # A DSN carries the role's password, though the model types it `str`.
 SECRET_BY_NATURE = frozenset({"DATABASE_URL"})
@@ -67,29 +68,55 @@ def configurable() -> frozenset[str]:
     return frozenset(settings()) - secrets() - CHART_MANAGED - TEST_ONLY
 
 
+def has_our_prefix(env: str) -> bool:
+    """A name charge-worker would read, were it a setting (a typo of one, when it is not)."""
+    return env.startswith(ENV_PREFIX)
+
+
 def default(env: str) -> Any:
     return settings()[env].default
 
 
-def charge_worker_accepts(environment: dict[str, str]) -> str | None:
-    """None when charge-worker's own `load_settings()` accepts this environment, else why.
+# Runs in the child: each environment in turn as the whole of os.environ, then load_settings().
+_JUDGE = """
+import json, os, sys
+from charge_worker.settings import load_settings
+verdicts = []
+for environment in json.load(sys.stdin):
+    os.environ.clear()
+    os.environ.update(environment)
+    try:
+        load_settings()
+    except Exception as error:
+        why = f"{type(error).__module__}.{type(error).__name__}: {error}"
+        verdicts.append(" ".join(why.split()))
+    else:
+        verdicts.append(None)
+print(json.dumps(verdicts))
+"""
+_verdicts: dict[frozenset[tuple[str, str]], str | None] = {}
 
-    Run in a child process with exactly this environment (and an empty working directory,
-    so no `.env` is read): the same validation, cross-field rules included, a pod runs at
-    start.
+
+def charge_worker_accepts(environments: list[dict[str, str]]) -> list[str | None]:
+    """For each environment, None when charge-worker's own `load_settings()` accepts it, else why.
+
+    Judged in one child process, each environment alone in `os.environ` (and an empty
+    working directory, so no `.env` is read): the same validation, cross-field rules
+    included, a pod runs at start. Verdicts are remembered: the checks ask again for the
+    same environments.
     """
-    code = "from charge_worker.settings import load_settings; load_settings()"
-    env = {"PATH": os.environ.get("PATH", ""), **environment}
-    with tempfile.TemporaryDirectory() as empty:
-        done = subprocess.run(  # noqa: S603  # our interpreter, a constant program
-            [sys.executable, "-c", code],
-            env=env,
-            cwd=empty,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    if done.returncode == 0:
-        return None
-    lines = done.stderr.strip().splitlines()
-    return lines[-1] if lines else f"exit status {done.returncode}"
+    keys = [frozenset(environment.items()) for environment in environments]
+    new = list(dict.fromkeys(key for key in keys if key not in _verdicts))
+    if new:
+        with tempfile.TemporaryDirectory() as empty:
+            done = subprocess.run(  # noqa: S603  # our interpreter, a constant program
+                [sys.executable, "-c", _JUDGE],
+                input=json.dumps([dict(key) for key in new]),
+                env={"PATH": os.environ.get("PATH", "")},
+                cwd=empty,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+        _verdicts.update(zip(new, json.loads(done.stdout), strict=True))
+    return [_verdicts[key] for key in keys]

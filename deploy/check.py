@@ -9,6 +9,7 @@ image. Exit status 0 when everything holds, 1 otherwise. `make check-deploy` run
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy import chart, dockerfile, pods, sources, validate, workloads
+from deploy import chart, dockerfile, pods, receiver, sources, validate, wiring, workloads
 from deploy.chart import DEPLOY, ROOT, Manifest, RenderError
 from deploy.rendered import Rendered
 
@@ -27,16 +28,30 @@ RENDERED_CHECKS: list[tuple[str, Check]] = [
         "worker: run, probes /healthz /readyz on the metrics port, grace > drain",
         workloads.check_worker,
     ),
+    (
+        "webhooks: `webhooks`, probes /healthz /readyz on the webhook port, preStop < grace",
+        receiver.check_webhooks,
+    ),
+    (
+        "ingress: only Exact /webhooks/gateway, to the receiver, when enabled",
+        receiver.check_ingress,
+    ),
     ("pods: non-root, no escalation, read-only root, caps dropped, /tmp", pods.check_security),
     ("pods: cpu and memory requests and limits", pods.check_resources),
     ("secrets: by reference only, each component its own", pods.check_secrets),
-    ("settings: known names, accepted by charge-worker's load_settings()", pods.check_settings),
+    (
+        "settings: known names, each command's needs, accepted by load_settings(), every container",
+        pods.check_settings,
+    ),
     ("cronjobs: produce and reconcile, Forbid, schedule, time zone", workloads.check_cronjobs),
     (
         "migrate: pre-install/pre-upgrade hook, needs nothing the release creates",
         workloads.check_migrate_hook,
     ),
-    ("wiring: PDB, Service, ServiceMonitor select the worker and /metrics", workloads.check_wiring),
+    (
+        "wiring: each Deployment, Service, PDB, ServiceMonitor selects only its own workload",
+        wiring.check_wiring,
+    ),
     ("scaling: pods x concurrency <= max_ack_pending, KEDA trigger", workloads.check_scaling),
     ("PrometheusRule == config/alerts.yml less excluded groups", sources.check_alert_rules),
     (
@@ -84,6 +99,31 @@ REFUSALS = [
         "DATABASE_URL",
     ),
     Refusal(
+        "the webhook signing secrets among the settings",
+        {"config": {"CHARGE_WORKER_WEBHOOK_SECRETS": "whsec_c2VjcmV0"}},
+        "CHARGE_WORKER_WEBHOOK_SECRETS",
+    ),
+    Refusal(
+        "a secret as a plain extraEnv value",
+        {"extraEnv": [{"name": "CHARGE_WORKER_WEBHOOK_SECRETS", "value": "whsec_c2VjcmV0"}]},
+        "/extraEnv/0/value",
+    ),
+    Refusal(
+        "the webhook Ingress without the receiver",
+        {"webhooks": {"enabled": False, "ingress": {"enabled": True}}},
+        "webhooks.ingress.enabled needs webhooks.enabled",
+    ),
+    Refusal(
+        "a receiver grace period not longer than its preStop sleep",
+        {"webhooks": {"terminationGracePeriodSeconds": 5, "preStopSleepSeconds": 5}},
+        "must be longer than webhooks.preStopSleepSeconds",
+    ),
+    Refusal(
+        "Ingress TLS without a host",
+        {"webhooks": {"ingress": {"enabled": True, "tlsSecretName": "webhooks-tls"}}},
+        "needs webhooks.ingress.host",
+    ),
+    Refusal(
         "a misspelt setting",
         {"config": {"CHARGE_WORKER_CONCURENCY": 8}},
         "CHARGE_WORKER_CONCURENCY",
@@ -112,15 +152,21 @@ REFUSALS = [
 
 # The chart's own copies of settings unset: its templates then fall back to numbers of their
 # own, which must be charge-worker's defaults (the checks compare with settings.py).
-UNSET_SETTINGS = {
+UNSET_SETTINGS: dict[str, Any] = {
     "config": dict.fromkeys(
         [
             "CHARGE_WORKER_CONCURRENCY",
             "CHARGE_WORKER_MAX_ACK_PENDING",
             "CHARGE_WORKER_DRAIN_S",
             "CHARGE_WORKER_METRICS_PORT",
+            "CHARGE_WORKER_WEBHOOK_PORT",
         ]
     )
+}
+# Variants of the "defaults" value set, rendered and checked like it.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "the chart's copies of settings unset": UNSET_SETTINGS,
+    "the webhook receiver off": {"webhooks": {"enabled": False}},
 }
 
 
@@ -157,17 +203,12 @@ def resource_table(manifests: list[Manifest]) -> Iterator[str]:
         yield f"    {name:<{width}}  {where}"
 
 
-def check_value_set(
-    report: Report, label: str, files: list[Path], extra: dict[str, Any] | None = None
-) -> None:
+def check_value_set(report: Report, label: str, files: list[Path], variant: str = "") -> None:
     values = chart.load_values(files)
-    if extra:
-        chart.merge(values, extra)
+    if variant:
+        chart.merge(values, copy.deepcopy(VARIANTS[variant]))
     shown = ", ".join(str(path.relative_to(ROOT)) for path in files) or "(none)"
-    print(
-        f"\n== {label}: chart defaults + {shown}"
-        + (" + the chart's copies of settings unset" if extra else "")
-    )
+    print(f"\n== {label}: chart defaults + {shown}" + (f" + {variant}" if variant else ""))
     try:
         manifests = chart.render(values)
     except RenderError as error:
@@ -225,7 +266,7 @@ def check_sources(report: Report) -> None:
         chart.check_package(chart.load_values(chart.VALUE_SETS["all-on"])),
     )
     report.check(
-        "values.schema.json config == charge_worker.settings (less secrets)",
+        "values.schema.json config == charge_worker.settings (less secrets); extraEnv secrets",
         sources.check_settings_schema(),
     )
     report.check("values.schema.json is a valid JSON Schema", validate.check_values_schema())
@@ -267,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     for label, files in chart.VALUE_SETS.items():
         check_value_set(report, label, files)
-    check_value_set(report, "defaults", chart.VALUE_SETS["defaults"], UNSET_SETTINGS)
+    for variant in VARIANTS:
+        check_value_set(report, "defaults", chart.VALUE_SETS["defaults"], variant)
     check_refusals(report)
     check_sources(report)
     check_image(report, wheel=not args.no_wheel)

@@ -11,11 +11,22 @@ from deploy import catalog
 from deploy.rendered import Pod, Rendered, env_of, secret_ref
 
 # Which secrets each component gets, and no others (least privilege: produce never sees the
-# gateway key, the migration hook gets the schema owner's DSN under DATABASE_URL).
+# gateway key, only the receiver sees the webhook signing secrets, the migration hook gets
+# the schema owner's DSN under DATABASE_URL).
 SECRETS_OF = {
     "worker": {"DATABASE_URL", "GATEWAY_API_KEY"},
+    "webhooks": {"DATABASE_URL", "GATEWAY_API_KEY", "CHARGE_WORKER_WEBHOOK_SECRETS"},
     "produce": {"DATABASE_URL"},
     "reconcile": {"DATABASE_URL", "GATEWAY_API_KEY"},
+    "migrate": {"DATABASE_URL"},
+}
+# What each command refuses to start without (its `require(...)` calls, and the receiver's
+# "no secret, no start"): the pod's environment must set every one, by value or reference.
+NEEDS = {
+    "worker": {"NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY", "SCORING_URL"},
+    "webhooks": {"DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY", "CHARGE_WORKER_WEBHOOK_SECRETS"},
+    "produce": {"NATS_URL", "DATABASE_URL"},
+    "reconcile": {"NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY"},
     "migrate": {"DATABASE_URL"},
 }
 
@@ -114,27 +125,60 @@ def check_secrets(rendered: Rendered) -> list[str]:
 
 
 def check_settings(rendered: Rendered) -> list[str]:
-    """The ConfigMap names only known settings, and charge-worker accepts the result.
+    """Every container's environment names only known settings, has what its command needs,
+    and charge-worker accepts it.
 
-    The pods' environment (ConfigMap, the chart-managed variables, placeholder secrets) goes
-    through charge-worker's own `load_settings()`, so a value its validators or cross-field
-    rules refuse fails here rather than in a crash-looping pod.
+    A container's environment is what the pod would see: the ConfigMap (envFrom), its own
+    `env` values, and placeholders for secret references. It goes through charge-worker's
+    own `load_settings()`, so a value its validators or cross-field rules refuse fails here
+    rather than in a crash-looping pod.
     """
     known = catalog.configurable()
     problems = [
         f"ConfigMap: {key} is not a charge-worker setting (or may not be set there)"
         for key in sorted(set(rendered.settings) - known)
     ]
-    worker = next((p for p in rendered.pods() if p.component == "worker"), None)
-    if worker is None:
-        return [*problems, "no worker pod rendered"]
-    environment = dict(rendered.settings)
-    for name, entry in env_of(worker.containers[0]).items():
+    environments: dict[str, dict[str, str]] = {}
+    for pod in rendered.pods():
+        for container in pod.containers:
+            where = f"{pod.where} container {container['name']}"
+            environments[where] = environment = _environment(rendered, container)
+            problems += _unknown_names(where, container)
+            missing = NEEDS.get(pod.component, set()) - {k for k, v in environment.items() if v}
+            if missing:
+                problems.append(f"{where}: lacks {sorted(missing)}, which {pod.component} needs")
+    if not any(p.component == "worker" for p in rendered.pods()):
+        problems.append("no worker pod rendered")
+    refused: dict[str, list[str]] = {}
+    verdicts = catalog.charge_worker_accepts(list(environments.values()))
+    for where, why in zip(environments, verdicts, strict=True):
+        if why is not None:
+            refused.setdefault(why, []).append(where)
+    problems += [
+        f"charge-worker refuses the rendered settings of {', '.join(wheres)}: {why}"
+        for why, wheres in refused.items()
+    ]
+    return problems
+
+
+def _environment(rendered: Rendered, container: dict[str, Any]) -> dict[str, str]:
+    config_map = rendered.only("ConfigMap", "worker")
+    sources = {
+        (source.get("configMapRef") or {}).get("name") for source in container.get("envFrom") or []
+    }
+    environment = dict(rendered.settings) if config_map and config_map.name in sources else {}
+    for name, entry in env_of(container).items():
         if "value" in entry:
             environment[name] = str(entry["value"])
         elif secret_ref(entry):
             environment[name] = f"placeholder-for-{name.lower()}"
-    why = catalog.charge_worker_accepts(environment)
-    if why is not None:
-        problems.append(f"charge-worker refuses the rendered settings: {why}")
-    return problems
+    return environment
+
+
+def _unknown_names(where: str, container: dict[str, Any]) -> list[str]:
+    """charge-worker's own prefix on a name it does not know (a typo), or a test-only one."""
+    names = set(env_of(container))
+    unknown = {n for n in names if catalog.has_our_prefix(n)} - set(catalog.settings())
+    return [f"{where}: {name} is not a charge-worker setting" for name in sorted(unknown)] + [
+        f"{where}: {name} is for tests only" for name in sorted(names & catalog.TEST_ONLY)
+    ]

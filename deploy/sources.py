@@ -84,7 +84,8 @@ def check_dashboard(rendered: Rendered) -> list[str]:
 
 
 def check_settings_schema() -> list[str]:
-    """values.schema.json's `config` names every configurable setting, and nothing else."""
+    """values.schema.json's `config` names every configurable setting, and nothing else;
+    its `extraEnv` takes every secret setting by reference only."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     config = schema["properties"]["config"]
     named = set(config["properties"])
@@ -100,6 +101,13 @@ def check_settings_schema() -> list[str]:
     ]
     if config.get("additionalProperties") is not False:
         problems.append("values.schema.json config must refuse unknown names")
+    env_item = schema["properties"]["extraEnv"]["items"]
+    by_reference = set(env_item["if"]["properties"]["name"]["enum"])
+    if by_reference != catalog.secrets() or env_item["then"] != {"properties": {"value": False}}:
+        problems.append(
+            f"values.schema.json extraEnv must refuse a value for exactly the secrets "
+            f"{sorted(catalog.secrets())}, it names {sorted(by_reference)}"
+        )
     return problems
 
 

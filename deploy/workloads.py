@@ -1,5 +1,7 @@
 """The workloads' own promises: the worker's probes and drain, the CronJobs, the hook, scaling.
 
+(The receiver's are in `receiver`, how objects select each other in `wiring`.)
+
 Each check takes one rendering and returns its problems as lines (empty: it holds).
 """
 
@@ -32,10 +34,7 @@ def check_worker(rendered: Rendered) -> list[str]:
         problems.append(
             f"worker port http is {ports.get('http')}, CHARGE_WORKER_METRICS_PORT {port}"
         )
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
-        problems += _probe(worker.get(probe), probe, path, ports)
-    if "startupProbe" in worker:
-        problems += _probe(worker["startupProbe"], "startupProbe", "/healthz", ports)
+    problems += probe_problems(worker, ports)
     grace = spec.get("terminationGracePeriodSeconds")
     drain = float(rendered.setting("CHARGE_WORKER_DRAIN_S"))
     if grace is None or grace <= drain:
@@ -49,15 +48,27 @@ def check_worker(rendered: Rendered) -> list[str]:
     return problems
 
 
-def _probe(probe: dict[str, Any] | None, name: str, path: str, ports: dict[str, int]) -> list[str]:
-    if not probe:
-        return [f"worker has no {name}"]
-    get = probe.get("httpGet") or {}
+# Both long-running commands serve the same two answers: /healthz "is the loop turning?"
+# (liveness, and startup when set), /readyz "should this pod get work?".
+PROBE_PATHS = {"livenessProbe": "/healthz", "readinessProbe": "/readyz", "startupProbe": "/healthz"}
+
+
+def probe_problems(container: dict[str, Any], ports: dict[str, int]) -> list[str]:
+    """Liveness and readiness (startup optional) on their paths, on a port the container has."""
+    who = container["name"]
     problems = []
-    if get.get("path") != path:
-        problems.append(f"worker {name} probes {get.get('path')}, expected {path}")
-    if get.get("port") not in ports and get.get("port") not in ports.values():
-        problems.append(f"worker {name} probes port {get.get('port')}, which the container lacks")
+    for name, path in PROBE_PATHS.items():
+        probe = container.get(name)
+        if not probe:
+            problems += [] if name == "startupProbe" else [f"{who} has no {name}"]
+            continue
+        get = probe.get("httpGet") or {}
+        if get.get("path") != path:
+            problems.append(f"{who} {name} probes {get.get('path')}, expected {path}")
+        if get.get("port") not in ports and get.get("port") not in ports.values():
+            problems.append(
+                f"{who} {name} probes port {get.get('port')}, which the container lacks"
+            )
     return problems
 
 
@@ -157,54 +168,6 @@ def check_migrate_hook(rendered: Rendered) -> list[str]:
     if pod.get("serviceAccountName") in own_account:
         problems.append(f"Job/{job.name}: uses the release's ServiceAccount, absent at pre-install")
     return problems
-
-
-def check_wiring(rendered: Rendered) -> list[str]:
-    """PDB, Service and ServiceMonitor select the worker pods and the metrics port."""
-    deployment = rendered.only("Deployment", "worker")
-    service = rendered.only("Service", "worker")
-    if deployment is None or service is None:
-        return ["no worker Deployment or metrics Service rendered"]
-    template = deployment.obj["spec"]["template"]
-    pod_labels = template["metadata"]["labels"]
-    selector = deployment.obj["spec"]["selector"]["matchLabels"]
-    problems = [] if _selects(selector, pod_labels) else ["the Deployment misses its own pods"]
-    budgets = rendered.of_kind("PodDisruptionBudget")
-    if rendered.values["worker"]["podDisruptionBudget"]["enabled"] != bool(budgets):
-        problems.append("the PodDisruptionBudget does not follow its enabled flag")
-    problems += [
-        f"PodDisruptionBudget/{b.name} selects other pods than the Deployment"
-        for b in budgets
-        if b.obj["spec"]["selector"].get("matchLabels") != selector
-    ]
-    if not _selects(service.obj["spec"]["selector"], pod_labels):
-        problems.append(f"Service/{service.name} does not select the worker pods")
-    ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
-    service_ports = {p["name"]: p["targetPort"] for p in service.obj["spec"]["ports"]}
-    if not set(service_ports.values()) <= ports:
-        problems.append(f"Service/{service.name} targets ports {service_ports} the worker lacks")
-    return problems + _monitors(rendered, service.obj, service_ports)
-
-
-def _monitors(rendered: Rendered, service: dict[str, Any], ports: dict[str, Any]) -> list[str]:
-    monitors = rendered.of_kind("ServiceMonitor")
-    problems = []
-    if rendered.values["metrics"]["serviceMonitor"]["enabled"] != bool(monitors):
-        problems.append("the ServiceMonitor does not follow metrics.serviceMonitor.enabled")
-    for monitor in monitors:
-        spec = monitor.obj["spec"]
-        if not _selects(spec["selector"]["matchLabels"], service["metadata"]["labels"]):
-            problems.append(f"ServiceMonitor/{monitor.name} does not select the metrics Service")
-        problems += [
-            f"ServiceMonitor/{monitor.name}: endpoint {endpoint} is not the Service's /metrics"
-            for endpoint in spec["endpoints"]
-            if endpoint.get("port") not in ports or endpoint.get("path") != "/metrics"
-        ]
-    return problems
-
-
-def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
 def check_scaling(rendered: Rendered) -> list[str]:

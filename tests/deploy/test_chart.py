@@ -23,11 +23,23 @@ pytest.importorskip("yaml", reason=_WHY)
 from deploy.chart import Manifest, RenderError  # noqa: E402
 from deploy.rendered import COMPONENT, Rendered  # noqa: E402
 
-from deploy import chart, check, dockerfile, pods, sources, validate, workloads  # noqa: E402
+from deploy import (  # noqa: E402
+    catalog,
+    chart,
+    check,
+    dockerfile,
+    pods,
+    receiver,
+    sources,
+    validate,
+    wiring,
+    workloads,
+)
 
 VALUE_SETS = {
     **{name: (files, None) for name, files in chart.VALUE_SETS.items()},
     "unset-settings": (chart.VALUE_SETS["defaults"], check.UNSET_SETTINGS),
+    "webhooks-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the webhook receiver off"]),
 }
 _CACHE: dict[str, Rendered] = {}
 
@@ -38,7 +50,7 @@ def rendered_for(name: str) -> Rendered:
         files, extra = VALUE_SETS[name]
         values = chart.load_values(files)
         if extra:
-            chart.merge(values, extra)
+            chart.merge(values, copy.deepcopy(extra))
         _CACHE[name] = Rendered(chart.render(values), chart.coalesced(values))
     return copy.deepcopy(_CACHE[name])
 
@@ -73,6 +85,7 @@ def test_the_value_sets_render_what_the_issue_lists() -> None:
         "ConfigMap",
         "CronJob",
         "Deployment",
+        "Ingress",
         "Job",
         "PodDisruptionBudget",
         "PrometheusRule",
@@ -82,6 +95,90 @@ def test_the_value_sets_render_what_the_issue_lists() -> None:
         "ServiceMonitor",
     }
     assert "ScaledObject" not in {m.kind for m in rendered_for("defaults").manifests}
+    assert "Ingress" not in {m.kind for m in rendered_for("defaults").manifests}
+
+
+# The webhook receiver, as the issue asks for it.
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_the_receiver_runs_webhooks_with_its_secrets_by_reference(value_set: str) -> None:
+    rendered = rendered_for(value_set)
+    deployment = _find(rendered, "Deployment", "webhooks")
+    assert deployment["metadata"]["name"].endswith("-webhooks")
+    container = _container(rendered, "webhooks")
+    assert container["args"][0] == "webhooks"
+    secrets = rendered.values["secrets"]
+    assert _env(rendered, "webhooks", "CHARGE_WORKER_WEBHOOK_SECRETS") == {
+        "name": "CHARGE_WORKER_WEBHOOK_SECRETS",
+        "valueFrom": {
+            "secretKeyRef": {"name": secrets["existingSecret"], "key": secrets["webhookSecretsKey"]}
+        },
+    }
+    port = int(rendered.setting("CHARGE_WORKER_WEBHOOK_PORT"))
+    assert container["ports"] == [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    probes = {name: container[name]["httpGet"] for name in workloads.PROBE_PATHS}
+    assert probes == {
+        name: {"path": path, "port": "http"} for name, path in workloads.PROBE_PATHS.items()
+    }
+    others = [p for p in rendered.pods() if p.component != "webhooks"]
+    assert all("CHARGE_WORKER_WEBHOOK_SECRETS" not in str(p.spec) for p in others)
+
+
+def test_the_webhook_secrets_are_a_secret_setting() -> None:
+    assert "CHARGE_WORKER_WEBHOOK_SECRETS" in catalog.secrets()
+    assert "CHARGE_WORKER_WEBHOOK_SECRETS" not in catalog.configurable()
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_worker_and_receiver_selectors_do_not_overlap(value_set: str) -> None:
+    rendered = rendered_for(value_set)
+    labels = {p.component: p.labels for p in rendered.pods() if p.component in wiring.WORKLOADS}
+    selectors = {
+        (m.kind, m.obj["metadata"]["labels"][COMPONENT]): m.obj["spec"]["selector"]
+        for m in rendered.manifests
+        if m.kind in {"Deployment", "Service", "PodDisruptionBudget"}
+    }
+    for (kind, owner), spec in selectors.items():
+        selector = spec.get("matchLabels", spec)
+        selected = {c for c, pod in labels.items() if selector.items() <= pod.items()}
+        assert selected == {owner}, (kind, owner, selected)
+    monitors = {
+        m.obj["metadata"]["labels"][COMPONENT]: m for m in rendered.of_kind("ServiceMonitor")
+    }
+    assert monitors.keys() == {"worker", "webhooks"}
+    for owner, monitor in monitors.items():
+        selector = monitor.obj["spec"]["selector"]["matchLabels"]
+        selected = [
+            s.obj["metadata"]["labels"][COMPONENT]
+            for s in rendered.of_kind("Service")
+            if selector.items() <= s.obj["metadata"]["labels"].items()
+        ]
+        assert selected == [owner]
+
+
+def test_the_ingress_routes_only_the_gateway_path_to_the_receiver() -> None:
+    rendered = rendered_for("all-on")
+    (ingress,) = rendered.of_kind("Ingress")
+    service = _find(rendered, "Service", "webhooks")
+    routes = [
+        (rule.get("host"), path["path"], path["pathType"], path["backend"]["service"]["name"])
+        for rule in ingress.obj["spec"]["rules"]
+        for path in rule["http"]["paths"]
+    ]
+    host = rendered.values["webhooks"]["ingress"]["host"]
+    assert routes == [(host, "/webhooks/gateway", "Exact", service["metadata"]["name"])]
+    assert "defaultBackend" not in ingress.obj["spec"]
+
+
+def test_turning_the_receiver_off_leaves_nothing_of_it() -> None:
+    rendered = rendered_for("webhooks-off")
+    assert [
+        m.name
+        for m in rendered.manifests
+        if m.obj["metadata"]["labels"].get(COMPONENT) == "webhooks"
+    ] == []
+    assert rendered.only("Deployment", "worker") is not None
 
 
 @pytest.mark.parametrize("refusal", check.REFUSALS, ids=[r.what for r in check.REFUSALS])
@@ -204,6 +301,91 @@ def _settings_charge_worker_refuses(r: Rendered) -> None:
     _find(r, "ConfigMap")["data"]["CHARGE_WORKER_ACK_WAIT_S"] = "45"  # != first backoff step
 
 
+def _receiver_runs_the_worker(r: Rendered) -> None:
+    _container(r, "webhooks")["args"] = ["run"]
+
+
+def _receiver_ready_on_metrics(r: Rendered) -> None:
+    _container(r, "webhooks")["readinessProbe"]["httpGet"]["path"] = "/metrics"
+
+
+def _receiver_on_the_metrics_port(r: Rendered) -> None:
+    _container(r, "webhooks")["ports"][0]["containerPort"] = 9090
+
+
+def _receiver_killed_during_pre_stop(r: Rendered) -> None:
+    _pod(r, "webhooks")["terminationGracePeriodSeconds"] = 10
+
+
+def _receiver_gets_nats_credentials(r: Rendered) -> None:
+    _container(r, "webhooks")["env"].append(
+        copy.deepcopy(_env(r, "worker", "CHARGE_WORKER_NATS_CREDS_FILE"))
+    )
+
+
+def _literal_webhook_secrets(r: Rendered) -> None:
+    entry = _env(r, "webhooks", "CHARGE_WORKER_WEBHOOK_SECRETS")
+    entry.pop("valueFrom")
+    entry["value"] = "whsec_c2VjcmV0"
+
+
+def _webhook_secrets_for_the_worker(r: Rendered) -> None:
+    entry = _env(r, "webhooks", "CHARGE_WORKER_WEBHOOK_SECRETS")
+    _container(r, "worker")["env"].append(copy.deepcopy(entry))
+
+
+def _webhook_secrets_in_the_configmap(r: Rendered) -> None:
+    _find(r, "ConfigMap")["data"]["CHARGE_WORKER_WEBHOOK_SECRETS"] = "whsec_c2VjcmV0"
+
+
+def _receiver_without_webhook_secrets(r: Rendered) -> None:
+    container = _container(r, "webhooks")
+    container["env"] = [e for e in container["env"] if e["name"] != "CHARGE_WORKER_WEBHOOK_SECRETS"]
+
+
+def _misspelt_receiver_setting(r: Rendered) -> None:
+    _container(r, "webhooks")["env"].append({"name": "CHARGE_WORKER_WEBHOOK_SECRET", "value": "x"})
+
+
+def _receiver_setting_charge_worker_refuses(r: Rendered) -> None:
+    retention = {"name": "CHARGE_WORKER_WEBHOOK_RETENTION_S", "value": "60"}  # < 3 days
+    _container(r, "webhooks")["env"].append(retention)
+
+
+def _worker_service_selects_receivers(r: Rendered) -> None:
+    del _find(r, "Service")["spec"]["selector"][COMPONENT]
+
+
+def _receiver_budget_on_worker_pods(r: Rendered) -> None:
+    _find(r, "PodDisruptionBudget", "webhooks")["spec"]["selector"]["matchLabels"][COMPONENT] = (
+        "worker"
+    )
+
+
+def _monitor_selects_both_services(r: Rendered) -> None:
+    del _find(r, "ServiceMonitor", "webhooks")["spec"]["selector"]["matchLabels"][COMPONENT]
+
+
+def _ingress_routes_metrics(r: Rendered) -> None:
+    paths = _find(r, "Ingress", "webhooks")["spec"]["rules"][0]["http"]["paths"]
+    paths.append({**copy.deepcopy(paths[0]), "path": "/metrics"})
+
+
+def _ingress_by_prefix(r: Rendered) -> None:
+    path = _find(r, "Ingress", "webhooks")["spec"]["rules"][0]["http"]["paths"][0]
+    path.update(path="/", pathType="Prefix")
+
+
+def _ingress_default_backend(r: Rendered) -> None:
+    spec = _find(r, "Ingress", "webhooks")["spec"]
+    spec["defaultBackend"] = copy.deepcopy(spec["rules"][0]["http"]["paths"][0]["backend"])
+
+
+def _ingress_to_the_worker(r: Rendered) -> None:
+    path = _find(r, "Ingress", "webhooks")["spec"]["rules"][0]["http"]["paths"][0]
+    path["backend"]["service"]["name"] = _find(r, "Service")["metadata"]["name"]
+
+
 def _overlapping_produce(r: Rendered) -> None:
     _find(r, "CronJob", "produce")["spec"]["concurrencyPolicy"] = "Allow"
 
@@ -253,7 +435,49 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_overlapping_produce, workloads.check_cronjobs, "concurrencyPolicy is 'Allow'"),
     (_migrate_after_install, workloads.check_migrate_hook, "expected pre-install and pre-upgrade"),
     (_migrate_reads_the_configmap, workloads.check_migrate_hook, "envFrom"),
-    (_service_misses_pods, workloads.check_wiring, "does not select the worker pods"),
+    (_service_misses_pods, wiring.check_wiring, "does not select the worker pods"),
+    (_receiver_runs_the_worker, receiver.check_webhooks, "expected webhooks first"),
+    (_receiver_ready_on_metrics, receiver.check_webhooks, "readinessProbe probes /metrics"),
+    (_receiver_on_the_metrics_port, receiver.check_webhooks, "CHARGE_WORKER_WEBHOOK_PORT 8443"),
+    (_receiver_killed_during_pre_stop, receiver.check_webhooks, "leaves no time"),
+    (_receiver_gets_nats_credentials, receiver.check_webhooks, "never talks to NATS"),
+    (
+        _literal_webhook_secrets,
+        pods.check_secrets,
+        "CHARGE_WORKER_WEBHOOK_SECRETS is not taken from a Secret",
+    ),
+    (_webhook_secrets_for_the_worker, pods.check_secrets, "should get ['DATABASE_URL', 'GATEWAY"),
+    (
+        _webhook_secrets_in_the_configmap,
+        pods.check_secrets,
+        "holds the secret setting CHARGE_WORKER_WEBHOOK_SECRETS",
+    ),
+    (
+        _receiver_without_webhook_secrets,
+        pods.check_settings,
+        "lacks ['CHARGE_WORKER_WEBHOOK_SECRETS'], which webhooks needs",
+    ),
+    (
+        _misspelt_receiver_setting,
+        pods.check_settings,
+        "CHARGE_WORKER_WEBHOOK_SECRET is not a charge-worker setting",
+    ),
+    (
+        _receiver_setting_charge_worker_refuses,
+        pods.check_settings,
+        "container webhooks: charge_worker.errors.SettingsError: CHARGE_WORKER_WEBHOOK_RETENTION",
+    ),
+    (_worker_service_selects_receivers, wiring.check_wiring, "also selects the pods of"),
+    (
+        _receiver_budget_on_worker_pods,
+        wiring.check_wiring,
+        "selects other pods than its Deployment",
+    ),
+    (_monitor_selects_both_services, wiring.check_wiring, "selects Services"),
+    (_ingress_routes_metrics, receiver.check_ingress, "routes Exact /metrics"),
+    (_ingress_by_prefix, receiver.check_ingress, "routes Prefix /; only Exact /webhooks/gateway"),
+    (_ingress_default_backend, receiver.check_ingress, "defaultBackend"),
+    (_ingress_to_the_worker, receiver.check_ingress, "not charge-worker-webhooks"),
     (_lag_threshold_a_number, workloads.check_scaling, "not strings (KEDA requires)"),
     (_keda_reads_another_consumer, workloads.check_scaling, "is not CHARGE_WORKER_DURABLE"),
     (_edited_alert, sources.check_alert_rules, "differ from config/alerts.yml"),

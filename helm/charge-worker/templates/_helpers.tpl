@@ -35,8 +35,9 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* Labels of every object; `component` is worker, produce, reconcile, migrate or
-     monitoring. */}}
+{{/* Labels of every object; `component` is worker, webhooks, produce, reconcile, migrate
+     or monitoring. The selector labels differ by component, so no Service, PDB or
+     ServiceMonitor of one workload selects another's pods. */}}
 {{- define "charge-worker.labels" -}}
 helm.sh/chart: {{ include "charge-worker.chart" .ctx }}
 {{ include "charge-worker.selectorLabels" . }}
@@ -82,6 +83,11 @@ falling back to charge-worker's default when it is unset.
 {{- include "charge-worker.setting" (dict "ctx" . "name" "CHARGE_WORKER_METRICS_PORT" "default" 9090) | int }}
 {{- end }}
 
+{{/* The receiver's one port: POST /webhooks/gateway, /healthz, /readyz and /metrics. */}}
+{{- define "charge-worker.webhookPort" -}}
+{{- include "charge-worker.setting" (dict "ctx" . "name" "CHARGE_WORKER_WEBHOOK_PORT" "default" 8081) | int }}
+{{- end }}
+
 {{/* One setting as an environment variable's text. Helm reads numbers in values as
      float64, and 2592000 would print as 2.592e+06: whole numbers are printed as integers. */}}
 {{- define "charge-worker.envValue" -}}
@@ -101,11 +107,12 @@ falling back to charge-worker's default when it is unset.
 {{- end }}
 
 {{/*
-Secrets, by reference only. `keys` lists which of the shared Secret's keys a component gets:
-"databaseUrl" (DATABASE_URL) and/or "gatewayApiKey" (GATEWAY_API_KEY).
+Secrets, by reference only. `keys` lists what a component gets: of the shared Secret's keys
+"databaseUrl" (DATABASE_URL), "gatewayApiKey" (GATEWAY_API_KEY), "webhookSecrets"
+(CHARGE_WORKER_WEBHOOK_SECRETS); "natsCredentials" for the NATS credentials file, when set.
 */}}
 {{- define "charge-worker.secretEnv" -}}
-{{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL and GATEWAY_API_KEY (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
+{{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
 {{- if has "databaseUrl" .keys }}
 - name: DATABASE_URL
   valueFrom:
@@ -120,7 +127,14 @@ Secrets, by reference only. `keys` lists which of the shared Secret's keys a com
       name: {{ $secret }}
       key: {{ .ctx.Values.secrets.gatewayApiKeyKey }}
 {{- end }}
-{{- if .ctx.Values.natsCredentials.existingSecret }}
+{{- if has "webhookSecrets" .keys }}
+- name: CHARGE_WORKER_WEBHOOK_SECRETS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ .ctx.Values.secrets.webhookSecretsKey }}
+{{- end }}
+{{- if and (has "natsCredentials" .keys) .ctx.Values.natsCredentials.existingSecret }}
 - name: CHARGE_WORKER_NATS_CREDS_FILE
   value: {{ printf "%s/%s" (trimSuffix "/" .ctx.Values.natsCredentials.mountPath) .ctx.Values.natsCredentials.key | quote }}
 {{- end }}
@@ -129,8 +143,8 @@ Secrets, by reference only. `keys` lists which of the shared Secret's keys a com
 {{- end }}
 {{- end }}
 
-{{/* Volumes of every pod: a writable /tmp (the root filesystem is read-only), the NATS
-     credentials file when configured, and extraVolumes. */}}
+{{/* Volumes of the pods that talk to NATS: a writable /tmp (the root filesystem is
+     read-only), the NATS credentials file when configured, and extraVolumes. */}}
 {{- define "charge-worker.volumes" -}}
 - name: tmp
   emptyDir:
@@ -162,7 +176,21 @@ Secrets, by reference only. `keys` lists which of the shared Secret's keys a com
 {{- end }}
 {{- end }}
 
-{{/* Pod-level fields shared by the worker, the CronJobs and the migration Job. */}}
+{{/* Spreading a Deployment's pods: `spread` is its topologySpread values. */}}
+{{- define "charge-worker.topologySpread" -}}
+{{- range .spread.topologyKeys }}
+- topologyKey: {{ . }}
+  maxSkew: {{ $.spread.maxSkew }}
+  whenUnsatisfiable: {{ $.spread.whenUnsatisfiable }}
+  labelSelector:
+    matchLabels:
+      {{- include "charge-worker.selectorLabels" (dict "ctx" $.ctx "component" $.component) | trim | nindent 6 }}
+  matchLabelKeys:
+    - pod-template-hash
+{{- end }}
+{{- end }}
+
+{{/* Pod-level fields shared by every pod. */}}
 {{- define "charge-worker.podCommon" -}}
 automountServiceAccountToken: false
 {{- with .Values.imagePullSecrets }}
@@ -226,6 +254,17 @@ configuration that would break the promise or page for nothing.
 {{- end }}
 {{- if and .Values.keda.enabled (lt (int .Values.keda.maxReplicaCount) (int .Values.keda.minReplicaCount)) }}
 {{- fail "keda.maxReplicaCount must be at least keda.minReplicaCount" }}
+{{- end }}
+{{- with .Values.webhooks }}
+{{- if and .ingress.enabled (not .enabled) }}
+{{- fail "webhooks.ingress.enabled needs webhooks.enabled: the Ingress would route to a receiver that is not deployed" }}
+{{- end }}
+{{- if and .ingress.tlsSecretName (not .ingress.host) }}
+{{- fail "webhooks.ingress.tlsSecretName needs webhooks.ingress.host: the certificate is for a host name" }}
+{{- end }}
+{{- if and .enabled (le (int .terminationGracePeriodSeconds) (int .preStopSleepSeconds)) }}
+{{- fail (printf "webhooks.terminationGracePeriodSeconds (%d) must be longer than webhooks.preStopSleepSeconds (%d): the grace period includes the preStop sleep, and the receiver needs time after it to finish its requests" (int .terminationGracePeriodSeconds) (int .preStopSleepSeconds)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
