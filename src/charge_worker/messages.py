@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationError,
+)
 
 from charge_worker.errors import PoisonMessage
 
@@ -15,6 +24,22 @@ MAX_BODY_BYTES = 64 * 1024
 MAX_ORDER_ID = 2**63 - 1
 
 _Id = Annotated[StrictStr, Field(min_length=1, max_length=64)]
+_ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _shaped(pattern: re.Pattern[str], shape: str) -> BeforeValidator:
+    """Only a string shaped like `shape`, checked before pydantic reads it: pydantic also
+    takes a number, or a number in a string, as a Unix timestamp ("0" is 1970-01-01), and
+    the billing period is half of the idempotency key. The field then parses in lax mode:
+    strict mode refuses a string here once a validator stands in front of it."""
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            raise ValueError(f"must be {shape}")  # pydantic wants ValueError
+        return value
+
+    return BeforeValidator(check)
 
 
 class ChargeDue(BaseModel):
@@ -24,12 +49,16 @@ class ChargeDue(BaseModel):
 
     schema_: Literal["charge.due/v1"] = Field(alias="schema")
     order_id: int = Field(ge=1, le=MAX_ORDER_ID)
-    billing_period: dt.date
+    billing_period: Annotated[
+        dt.date, _shaped(_ISO_DATE, "an ISO date, YYYY-MM-DD"), Field(strict=False)
+    ]
     subscription_id: _Id
     customer_id: _Id
     amount_minor: int = Field(gt=0, le=MAX_ORDER_ID)
     currency: Annotated[StrictStr, Field(pattern=r"^[A-Z]{3}$")]
-    due_at: AwareDatetime
+    due_at: Annotated[
+        AwareDatetime, _shaped(_RFC3339, "an RFC 3339 timestamp with a zone"), Field(strict=False)
+    ]
 
     @property
     def key(self) -> str:
@@ -56,7 +85,7 @@ def parse(body: bytes) -> ChargeDue:
     try:
         # json first: pydantic would accept a top-level non-object only to fail less clearly,
         # and Python refuses integers of more than 4300 digits here with a ValueError.
-        data = json.loads(body.decode("utf-8"))
+        data = json.loads(body.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError) as error:
         raise PoisonMessage(f"body is not UTF-8 JSON: {_first_line(error)}") from error
     except RecursionError as error:  # a RuntimeError: `[[[[…` deeper than the C stack allows
@@ -69,6 +98,15 @@ def parse(body: bytes) -> ChargeDue:
         return ChargeDue.model_validate_json(body)
     except ValidationError as error:
         raise PoisonMessage(_describe(error)) from error
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a key given twice is poison (parsers disagree on which one wins)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        twice = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise PoisonMessage(f"field {twice!r} appears more than once")
+    return data
 
 
 def _describe(error: ValidationError) -> str:
