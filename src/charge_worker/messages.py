@@ -28,16 +28,17 @@ _ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
 
 
-def _shaped(pattern: re.Pattern[str], shape: str) -> BeforeValidator:
-    """Only a string shaped like `shape`, checked before pydantic reads it: pydantic also
-    takes a number, or a number in a string, as a Unix timestamp ("0" is 1970-01-01), and
-    the billing period is half of the idempotency key. The field then parses in lax mode:
-    strict mode refuses a string here once a validator stands in front of it."""
+def _shaped(pattern: re.Pattern[str], shape: str, native: type) -> BeforeValidator:
+    """A `native` object (the producer's row), or a string shaped like `shape`, checked
+    before pydantic reads it: pydantic also takes a number, or a number in a string, as a
+    Unix timestamp ("0" is 1970-01-01), and the billing period is half of the idempotency
+    key. The field then parses in lax mode: strict mode refuses a string here once a
+    validator stands in front of it."""
 
     def check(value: Any) -> Any:
-        if not isinstance(value, str) or not pattern.fullmatch(value):
-            raise ValueError(f"must be {shape}")  # pydantic wants ValueError
-        return value
+        if isinstance(value, native) or (isinstance(value, str) and pattern.fullmatch(value)):
+            return value
+        raise ValueError(f"must be {shape}")
 
     return BeforeValidator(check)
 
@@ -50,14 +51,16 @@ class ChargeDue(BaseModel):
     schema_: Literal["charge.due/v1"] = Field(alias="schema")
     order_id: int = Field(ge=1, le=MAX_ORDER_ID)
     billing_period: Annotated[
-        dt.date, _shaped(_ISO_DATE, "an ISO date, YYYY-MM-DD"), Field(strict=False)
+        dt.date, _shaped(_ISO_DATE, "an ISO date, YYYY-MM-DD", dt.date), Field(strict=False)
     ]
     subscription_id: _Id
     customer_id: _Id
     amount_minor: int = Field(gt=0, le=MAX_ORDER_ID)
     currency: Annotated[StrictStr, Field(pattern=r"^[A-Z]{3}$")]
     due_at: Annotated[
-        AwareDatetime, _shaped(_RFC3339, "an RFC 3339 timestamp with a zone"), Field(strict=False)
+        AwareDatetime,
+        _shaped(_RFC3339, "an RFC 3339 timestamp with a zone", dt.datetime),
+        Field(strict=False),
     ]
 
     @property
