@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
+import nats.errors
 import structlog
 import uvicorn
 from nats.aio.msg import Msg
@@ -58,7 +59,7 @@ def _log_failures(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], 
     async def wrapped(msg: Msg) -> None:
         try:
             await handler(msg)
-        except (ChargeWorkerError, ValueError, KeyError) as error:
+        except (ChargeWorkerError, nats.errors.Error, TimeoutError, ValueError, KeyError) as error:
             log.error("dlq.advisory_failed", error=repr(error))
 
     return wrapped
@@ -130,7 +131,7 @@ async def run_worker(
     # a taken batch stays leased long enough to score all of it at the full timeout
     checks = DeferredChecks(pool, retry_s=BATCH * settings.scoring.scoring_timeout_s + interval_s)
     advisories = await nc.subscribe(
-        dead_letters.advisory_subject(), cb=_log_failures(dead_letters.on_max_deliveries)
+        dead_letters.advisory_subject(), cb=_log_failures(consumer.on_max_deliveries)
     )
     side_tasks = [
         asyncio.create_task(server.serve(sockets=[listener])),

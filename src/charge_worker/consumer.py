@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections.abc import Mapping
 
 import asyncpg
 import nats.errors
@@ -22,12 +24,22 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from charge_worker import events
-from charge_worker.decisions import Action, DeadLetter, Nak, Outcome, Requeue, decide
+from charge_worker.decisions import (
+    EXHAUSTED_HEADER,
+    Action,
+    DeadLetter,
+    Nak,
+    Outcome,
+    Requeue,
+    after_deliveries_ran_out,
+    decide,
+)
 from charge_worker.dlq import DeadLetters
-from charge_worker.errors import ChargeWorkerError
+from charge_worker.errors import ChargeWorkerError, PoisonMessage
 from charge_worker.gateway import GatewayClient
 from charge_worker.http import open_for_s
 from charge_worker.ledger import Ledger
+from charge_worker.messages import parse
 from charge_worker.metrics import Metrics
 from charge_worker.pipeline import Delivery, Pipeline, Processed
 from charge_worker.settings import Settings
@@ -205,17 +217,63 @@ class Consumer:
 
     async def _requeue(self, msg: Msg, delivery: Delivery) -> Action:
         """Publish a fresh copy (its deliveries unspent), then the original may be acked."""
-        headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
-        headers["Nats-Msg-Id"] = f"requeue:{delivery.stream_seq}"
-        headers["Charge-Requeued-From"] = str(delivery.stream_seq)
         try:
-            await self.js.publish(self.settings.nats.subject, msg.data, headers=headers, timeout=5)
+            await self._publish_copy(msg.data, msg.headers, delivery.stream_seq)
         except (nats.errors.Error, TimeoutError) as error:
             # out of deliveries either way: the advisory and reconcile pick the charge up
             log.error("consumer.requeue_failed", error=repr(error))
             return Nak(self.settings.nats.ack_wait_s)
-        self.metrics.requeues.inc()
         return Requeue()
+
+    async def _publish_copy(
+        self, body: bytes, headers: Mapping[str, str] | None, stream_seq: int
+    ) -> None:
+        copy = {k: v for k, v in (headers or {}).items() if k != "Nats-Msg-Id"}
+        copy["Nats-Msg-Id"] = f"requeue:{stream_seq}"  # one copy, however many workers try
+        copy["Charge-Requeued-From"] = str(stream_seq)
+        await self.js.publish(self.settings.nats.subject, body, headers=copy, timeout=5)
+        self.metrics.requeues.inc()
+
+    async def on_max_deliveries(self, advisory: Msg) -> None:
+        """JetStream's MAX_DELIVERIES advisory: a last delivery died with its worker.
+
+        Every worker hears it; the requeue's and the dead letter's `Nats-Msg-Id` keep it to
+        one copy and one letter. See `decisions.after_deliveries_ran_out`.
+        """
+        event = json.loads(advisory.data)
+        seq = int(event["stream_seq"])
+        stored = await self.dead_letters.stream_copy(seq)
+        if stored is None:
+            return
+        body, headers = stored.data or b"", dict(stored.headers or {})
+        try:
+            charge = parse(body)
+        except PoisonMessage:
+            status, valid = None, False
+        else:
+            status, valid = (
+                await self.ledger.status_of(charge.order_id, charge.billing_period),
+                True,
+            )
+        exhausted = _count(headers.get(EXHAUSTED_HEADER))
+        verdict = after_deliveries_ran_out(status, valid=valid, exhausted=exhausted)
+        log.warning(
+            "consumer.deliveries_ran_out",
+            stream_seq=seq, ledger_status=status, exhausted=exhausted, verdict=verdict,
+        )  # fmt: skip
+        self.metrics.exhausted.labels(verdict).inc()
+        if verdict == "requeue":
+            await self._publish_copy(body, headers | {EXHAUSTED_HEADER: str(exhausted + 1)}, seq)
+        elif verdict == "dead_letter":
+            await self.dead_letters.write(
+                body,
+                reason="max_deliveries",
+                error=f"deliveries ran out unsettled, {exhausted + 1} time(s) (advisory)",
+                stream_seq=seq,
+                num_delivered=int(event.get("deliveries", 0)),
+                original=stored.headers,
+            )
+            self.metrics.dead_letters.labels("max_deliveries").inc()
 
     async def _record(self, delivery: Delivery, processed: Processed, action: Action) -> None:
         """Append this delivery to the charge's story; a poison message has no charge."""
@@ -278,3 +336,8 @@ def _describe(action: Action) -> dict[str, object]:
 def _trace_id(traceparent: str | None) -> str | None:
     parts = (traceparent or "").split("-")
     return parts[1] if len(parts) >= 4 else None
+
+
+def _count(header: str | None) -> int:
+    """A non-negative count from a header someone else may have written; junk counts as 0."""
+    return int(header) if header and header.isdigit() else 0

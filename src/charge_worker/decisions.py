@@ -18,12 +18,22 @@ turn an outage into lost revenue that needs a human. So such a message goes roun
 as a fresh copy (the ledger row stays pending; the claim still allows one charge), at the
 pace of the backoff steps. Only a message whose processing keeps crashing, or whose worker
 keeps dying, runs out of deliveries into the dead-letter stream.
+
+A worker that dies (kill -9, OOM) decides nothing: its message's deliveries run out
+without a verdict and JetStream's MAX_DELIVERIES advisory says so (`after_deliveries_ran_
+out`). A death is no verdict on the message either: every message in flight dies with the
+one that caused it, and each death spends two deliveries (the redelivery that finds the dead
+worker's lease, then the one that takes it over). So a charge the ledger holds as settled is
+forgotten (only its ack was lost), a valid open one is requeued, and only the
+`MAX_EXHAUSTIONS`-th copy to run out is dead-lettered `max_deliveries`: a charge that keeps
+killing its workers, or a fleet in a crash loop, for a human to look at.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 from charge_worker import errors
 
@@ -128,3 +138,23 @@ def decide(
     if result.retry_after_s is not None:
         return Nak(max(result.retry_after_s, 0.0))
     return Nak(backoff_delay(delivery, backoff_s, ack_wait_s))
+
+
+MAX_EXHAUSTIONS = 3  # copies of one message that may run out of deliveries unsettled
+EXHAUSTED_HEADER = "Charge-Exhausted"  # on a requeued copy: how many copies ran out before
+SETTLED_STATUSES = frozenset({"succeeded", "declined", "blocked", "failed", "refunded"})
+
+
+def after_deliveries_ran_out(
+    status: str | None, *, valid: bool, exhausted: int
+) -> Literal["forget", "requeue", "dead_letter"]:
+    """A message's last delivery died with its worker: what becomes of its stream copy.
+
+    `status` is the ledger row's (None: no row), `valid` whether the body parses, and
+    `exhausted` how many earlier copies of it ran out the same way.
+    """
+    if not valid:
+        return "dead_letter"
+    if status in SETTLED_STATUSES:
+        return "forget"
+    return "requeue" if exhausted + 1 < MAX_EXHAUSTIONS else "dead_letter"

@@ -3,7 +3,8 @@
 A dead letter is published with `Nats-Msg-Id: dlq:<stream seq>` and its publish ack awaited
 before the original is terminated, so it is written once and never lost. The
 MAX_DELIVERIES advisory is a safety net for messages whose last delivery died with its
-worker: the message is read back from the stream by sequence and dead-lettered.
+worker: the consumer reads the message back from the stream by sequence (`stream_copy`) and
+requeues or dead-letters it (`decisions.after_deliveries_ran_out`).
 
 Operators read them back (`scan`, `summaries`, `get`) and `replay` them: the original body
 goes back to the charges subject with `Nats-Msg-Id: replay:<dlq seq>`. A replay deletes
@@ -21,9 +22,8 @@ from typing import Any, Literal
 
 import nats.errors
 import nats.js.errors
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import StreamState
+from nats.js.api import RawStreamMsg, StreamState
 
 from charge_worker import streams
 from charge_worker.errors import DependencyUnavailable, ProvisioningError
@@ -232,22 +232,12 @@ class DeadLetters:
     def advisory_subject(self) -> str:
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.cfg.stream}.{self.cfg.durable}"
 
-    async def on_max_deliveries(self, advisory: Msg) -> None:
-        """Dead-letter the stream copy of a message whose deliveries ran out."""
-        event = json.loads(advisory.data)
-        seq = int(event["stream_seq"])
+    async def stream_copy(self, seq: int) -> RawStreamMsg | None:
+        """The charges stream's message at `seq`, or None when it is gone (acked, purged)."""
         try:
-            stored = await self.js.get_msg(self.cfg.stream, seq)
+            return await self.js.get_msg(self.cfg.stream, seq)
         except nats.js.errors.NotFoundError:
-            return  # acked or purged meanwhile: nothing to keep
-        await self.write(
-            stored.data or b"",
-            reason="max_deliveries",
-            error="deliveries ran out without a settled outcome (advisory)",
-            stream_seq=seq,
-            num_delivered=int(event.get("deliveries", 0)),
-            original=stored.headers,
-        )
+            return None
 
     async def get(self, seq: int) -> DeadLetter | None:
         """The dead letter stored at `seq`, or None when there is none (never, or deleted)."""

@@ -52,6 +52,12 @@ class Metrics:
             "Messages out of deliveries for a dependency's fault, republished as a fresh copy.",
             registry=registry,
         )
+        self.exhausted = Counter(
+            f"{PREFIX}_deliveries_exhausted",
+            "Messages whose last delivery died with its worker (the MAX_DELIVERIES advisory), "
+            "by what became of them: forget (settled already), requeue, dead_letter.",
+            ["verdict"], registry=registry,
+        )  # fmt: skip
         self.heartbeats = Counter(
             f"{PREFIX}_heartbeats", "In-progress acks (+WPI) sent.", registry=registry
         )

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
+
+import asyncpg
 from nats.aio.client import Client
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js import JetStreamContext
 
 from charge_worker import streams
 from charge_worker.dlq import DeadLetters
@@ -11,10 +15,12 @@ from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
 
 from .worker_harness import (
+    PERIOD,
     consumer_idle,
     dead_letters_at_least,
     due,
     eventually,
+    gateway_charges,
     provisioned,
     publish,
     running_worker,
@@ -22,38 +28,78 @@ from .worker_harness import (
 )
 
 
-async def test_max_deliveries_advisory_dead_letters_the_stream_copy(
-    nc: Client, nats_settings: NatsSettings
-) -> None:
-    """A worker that died on the last delivery never settles it: the advisory does."""
-    cfg = nats_settings.model_copy(update={"durable": "short-lived"})
-    js = nc.jetstream()
-    await streams.provision(js, cfg)
-    await js.add_consumer(
-        cfg.stream,
-        ConsumerConfig(
-            durable_name=cfg.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=0.5,
-            max_deliver=1,
-            filter_subject=cfg.subject,
-        ),
+async def _advise(nc: Client, subject: str, seq: int) -> None:
+    """What JetStream publishes when the last delivery of stream message `seq` timed out."""
+    await nc.publish(subject, json.dumps({"stream_seq": seq, "deliveries": 4}).encode())
+    await nc.flush()
+
+
+async def test_a_last_delivery_that_died_requeues_an_open_charge_then_dead_letters_it(
+    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:  # fmt: skip
+    """The MAX_DELIVERIES advisory: a death is no verdict; the third copy to run out is."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    js = await provisioned(nc, settings)
+    cfg = settings.nats
+    db = await asyncpg.connect(database_url)
+    # a live lease of another worker's: every delivery of order 61 naks, nothing is charged
+    await db.execute(
+        """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+               subscription_id, customer_id, amount_minor, currency, status, lease_owner,
+               lease_until)
+           VALUES (61, $1, '61:2026-12-01', 'sub_61', 'cus_ok', 99000, 'RUB', 'pending',
+                   'elsewhere', now() + interval '1 hour')""",
+        PERIOD,
     )
-    dead_letters = DeadLetters(js, cfg)
-    await nc.subscribe(dead_letters.advisory_subject(), cb=dead_letters.on_max_deliveries)
-    body = due(51)
-    seq = await publish(js, cfg.subject, body, msg_id="charge:51:2026-12-01")
-    sub = await js.pull_subscribe_bind(durable=cfg.durable, stream=cfg.stream)
-    [taken] = await sub.fetch(1, timeout=5)  # taken, then "the worker dies": never settled
-    assert taken.metadata.num_delivered == 1
-    await eventually(lambda: dead_letters_at_least(nc, cfg), "the advisory's dead letter")
-    dead = await js.get_msg(cfg.dlq_stream, 1)
-    headers = dead.headers or {}
-    assert dead.data == body
-    assert headers["Dlq-Reason"] == "max_deliveries"
-    assert headers["Dlq-Stream-Seq"] == str(seq)
-    assert headers["Dlq-Orig-Msg-Id"] == "charge:51:2026-12-01"
-    assert headers["Nats-Msg-Id"] == f"dlq:{seq}"
+    body = due(61)
+    seq = await publish(js, cfg.subject, body, msg_id="charge:61:2026-12-01")
+    subject = DeadLetters(js, cfg).advisory_subject()
+    async with running_worker(settings) as worker:
+        copies = []
+        for exhausted in (1, 2):
+            await _advise(nc, subject, copies[-1] if copies else seq)
+            await eventually(_stream_grew(js, cfg.stream, seq + exhausted - 1), f"copy {exhausted}")
+            copy = await js.get_msg(cfg.stream, await _last_seq(js, cfg.stream))
+            assert copy.data == body
+            assert (copy.headers or {})["Charge-Exhausted"] == str(exhausted)
+            copies.append(copy.seq)
+        assert (copy.headers or {})["Nats-Msg-Id"] == f"requeue:{copies[0]}"
+
+        await _advise(nc, subject, copies[-1])  # the third copy ran out too
+        await eventually(lambda: dead_letters_at_least(nc, cfg), "the dead letter")
+        dead = await js.get_msg(cfg.dlq_stream, 1)
+        headers = dead.headers or {}
+        assert dead.data == body
+        assert headers["Dlq-Reason"] == "max_deliveries"
+        assert headers["Dlq-Stream-Seq"] == str(copies[-1])
+        assert headers["Nats-Msg-Id"] == f"dlq:{copies[-1]}"
+
+        # settled meanwhile: the next advisory forgets it, no copy and no letter
+        await db.execute(
+            """UPDATE charge_attempts SET status = 'succeeded', gateway_charge_id = 'ch_61',
+                   lease_owner = NULL, lease_until = NULL, settled_at = now()
+             WHERE order_id = 61"""
+        )
+        await _advise(nc, subject, seq)
+        forgotten = "charge_worker_deliveries_exhausted_total"
+        await eventually(lambda: worker.metric(forgotten, verdict="forget") == 1, "forgotten")
+        assert await _last_seq(js, cfg.stream) == copies[-1]
+        assert (await js.stream_info(cfg.dlq_stream)).state.messages == 1
+        assert worker.metric(forgotten, verdict="requeue") == 2
+        assert await gateway_charges(gateway_sim.url) == {}
+    await db.close()
+
+
+async def _last_seq(js: JetStreamContext, stream: str) -> int:
+    return (await js.stream_info(stream)).state.last_seq
+
+
+def _stream_grew(js: JetStreamContext, stream: str, past: int) -> Callable[[], Awaitable[bool]]:
+    async def grew() -> bool:
+        return await _last_seq(js, stream) > past
+
+    return grew
 
 
 async def test_unwritable_dead_letter_stream_naks_never_drops(

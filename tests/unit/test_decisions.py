@@ -6,6 +6,8 @@ import pytest
 
 from charge_worker import errors
 from charge_worker.decisions import (
+    MAX_EXHAUSTIONS,
+    after_deliveries_ran_out,
     Ack,
     Action,
     DeadLetter,
@@ -124,3 +126,22 @@ def test_result_of_maps_the_most_specific_error(
 
 def test_result_of_keeps_the_retry_delay() -> None:
     assert result_of(errors.RateLimited("slow down", retry_after_s=3)).retry_after_s == 3
+
+
+@pytest.mark.parametrize(
+    ("status", "valid", "exhausted", "verdict"),
+    [
+        (None, False, 0, "dead_letter"),  # poison whose worker died: nothing to requeue
+        ("succeeded", True, 0, "forget"),  # settled: only the ack died with the worker
+        ("declined", True, 2, "forget"),
+        ("failed", True, 0, "forget"),
+        (None, True, 0, "requeue"),  # died before the claim
+        ("pending", True, 0, "requeue"),
+        ("scheduled", True, MAX_EXHAUSTIONS - 2, "requeue"),
+        ("pending", True, MAX_EXHAUSTIONS - 1, "dead_letter"),  # keeps killing its workers
+    ],
+)
+def test_a_death_on_the_last_delivery_requeues_an_open_charge_a_bounded_number_of_times(
+    status: str | None, valid: bool, exhausted: int, verdict: str
+) -> None:
+    assert after_deliveries_ran_out(status, valid=valid, exhausted=exhausted) == verdict
