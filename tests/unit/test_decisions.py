@@ -7,7 +7,6 @@ import pytest
 from charge_worker import errors
 from charge_worker.decisions import (
     MAX_EXHAUSTIONS,
-    after_deliveries_ran_out,
     Ack,
     Action,
     DeadLetter,
@@ -15,6 +14,7 @@ from charge_worker.decisions import (
     Outcome,
     Requeue,
     Result,
+    after_deliveries_ran_out,
     backoff_delay,
     decide,
     result_of,
