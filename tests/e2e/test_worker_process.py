@@ -17,8 +17,9 @@ from nats.aio.client import Client
 
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import NatsSettings, Settings
+from charge_worker.settings import NatsSettings
 from tests.integration.worker_harness import (
+    WorkerProcess,
     due,
     eventually,
     gateway_charges,
@@ -32,36 +33,12 @@ from tests.integration.worker_harness import (
 FAST = {"gateway_timeout_s": 1.0, "lease_s": 6.0, "ack_wait_s": 2.0, "backoff_s": (2.0, 4.0)}
 
 
-class WorkerProcess:
-    def __init__(self, settings: Settings, log: Path, **env: str) -> None:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
-        full = {**clean, **settings_env(settings), "CHARGE_WORKER_LOG_FORMAT": "json", **env}
-        self.log = log
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "charge_worker", "run"],
-                env=full,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-
-    async def exited(self) -> int:
-        await eventually(lambda: self.proc.poll() is not None, "the worker exited", within_s=60)
-        return self.proc.returncode
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[list[WorkerProcess]]:
     workers: list[WorkerProcess] = []
     yield workers
     for worker in workers:
-        worker.stop()
+        worker.kill()
 
 
 async def row(database_url: str, order_id: int) -> asyncpg.Record | None:

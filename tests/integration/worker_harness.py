@@ -7,10 +7,14 @@ import contextlib
 import datetime as dt
 import inspect
 import json
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -199,3 +203,34 @@ def settings_env(settings: Settings) -> dict[str, str]:
                 )
             env[env_name(type(group), field)] = str(value)
     return env
+
+
+class WorkerProcess:
+    """`charge-worker run` as a child process with these settings, its output in `log`."""
+
+    def __init__(self, settings: Settings, log: Path, **env: str) -> None:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
+        full = {**clean, **settings_env(settings), "CHARGE_WORKER_LOG_FORMAT": "json", **env}
+        self.log = log
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "charge_worker", "run"],
+                env=full,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    async def exited(self) -> int:
+        await eventually(lambda: self.proc.poll() is not None, "the worker exited", within_s=60)
+        return self.proc.returncode
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, like a pod killed mid-charge; waits for the exit."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -120,13 +120,14 @@ class _Process:
         self._wait_exit()
 
     def pause(self) -> None:
-        """Freeze the process (SIGSTOP): it keeps its sockets but answers nothing."""
+        """Freeze the server (SIGSTOP to its process group, so PostgreSQL's backends too):
+        it keeps its sockets but answers nothing."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        os.killpg(self.proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def restart(self, sig: signal.Signals = signal.SIGTERM) -> None:
         """Stop with `sig` and start again on the same port and data."""
@@ -137,7 +138,7 @@ class _Process:
         """Stop the server and delete its temporary directory."""
         with contextlib.suppress(ProcessLookupError):
             if self.proc is not None:
-                self.proc.send_signal(signal.SIGCONT)
+                os.killpg(self.proc.pid, signal.SIGCONT)
         self.terminate()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -167,8 +168,9 @@ class NatsServer(_Process):
 class PostgresServer(_Process):
     """PostgreSQL from the `pgserver` wheel: initdb once, then `postgres` on a loopback port.
 
-    Durability settings are relaxed (`fsync=off`) because the data is thrown away; a
-    stopped or killed server still keeps every committed row across a restart.
+    `fsync=off` because the data is thrown away: only a machine crash could lose a commit.
+    Commits still wait for their WAL write (`synchronous_commit` stays on), so a server
+    killed or stopped in immediate mode keeps every committed row across a restart.
     """
 
     name = "postgres"
@@ -204,7 +206,6 @@ class PostgresServer(_Process):
             "-p", str(self.port),
             "-k", str(self.root),
             "-c", "fsync=off",
-            "-c", "synchronous_commit=off",
             "-c", "full_page_writes=off",
             "-c", "max_connections=300",
             "-c", "log_min_messages=warning",
