@@ -35,7 +35,7 @@ async def rescore_deferred(
     while not stop.is_set():
         try:
             if scoring.available:
-                await _one_round(checks, scoring, metrics)
+                await _one_round(checks, scoring, metrics, retry_s=interval_s)
             metrics.deferred_checks_pending.set(await checks.pending())
         except ChargeWorkerError as error:
             log.warning("checks.round_failed", error=str(error))
@@ -43,8 +43,11 @@ async def rescore_deferred(
             await asyncio.wait_for(stop.wait(), interval_s)
 
 
-async def _one_round(checks: DeferredChecks, scoring: ScoringClient, metrics: Metrics) -> None:
-    for check in await checks.take(BATCH):
+async def _one_round(
+    checks: DeferredChecks, scoring: ScoringClient, metrics: Metrics, *, retry_s: float
+) -> None:
+    taken = await checks.take(BATCH)
+    for done, check in enumerate(taken):
         verdict = await scoring.score(
             order_id=check.order_id,
             customer_id=check.customer_id,
@@ -52,7 +55,10 @@ async def _one_round(checks: DeferredChecks, scoring: ScoringClient, metrics: Me
             currency=check.currency,
         )
         if isinstance(verdict, ScoringFailure):
-            return  # still unhealthy: the taken checks come due again later
+            # still unhealthy: the rest come due again at the next round (the breaker, once
+            # open, keeps the rounds from calling until it half-opens)
+            await checks.retry_in(taken[done:], retry_s)
+            return
         resolved: Literal["approved", "blocked"] = (
             "blocked" if verdict.decision == "block" else "approved"
         )

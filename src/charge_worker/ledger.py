@@ -282,6 +282,12 @@ UPDATE deferred_scoring_checks AS d
 RETURNING d.order_id, d.billing_period, c.customer_id, c.amount_minor, c.currency
 """
 
+_RETRY_CHECKS = """
+UPDATE deferred_scoring_checks SET next_try_at = now() + make_interval(secs => $3)
+ WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
+   AND status = 'pending'
+"""
+
 _RESOLVE_CHECK = """
 WITH resolved AS (
     UPDATE deferred_scoring_checks SET status = $3, resolved_at = now(), last_error = NULL
@@ -306,6 +312,16 @@ class DeferredChecks:
         async with _translated():
             rows = await self.pool.fetch(_TAKE_CHECKS, limit, self.retry_s)
         return [DeferredCheck(*row.values()) for row in rows]
+
+    async def retry_in(self, checks: list[DeferredCheck], delay_s: float) -> None:
+        """Taken checks that were not scored come due again after `delay_s`, not `retry_s`."""
+        async with _translated():
+            await self.pool.execute(
+                _RETRY_CHECKS,
+                [c.order_id for c in checks],
+                [c.billing_period for c in checks],
+                delay_s,
+            )
 
     async def pending(self) -> int:
         async with _translated():

@@ -16,7 +16,7 @@ import httpx
 import pybreaker
 
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
-from charge_worker.http import build_breaker, build_client
+from charge_worker.http import build_breaker, build_client, open_for_s
 from charge_worker.settings import ScoringSettings, require
 
 
@@ -54,7 +54,11 @@ class ScoringClient:
 
     @property
     def available(self) -> bool:
-        return self.breaker.current_state == "closed"
+        """Closed, or open long enough that the next call is the half-open probe.
+
+        pybreaker only half-opens on a call: a caller that waited for "closed" would wait
+        forever once nothing else calls (the deferred checks after the peak)."""
+        return open_for_s(self.breaker) == 0.0
 
     async def score(
         self,

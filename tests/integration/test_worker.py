@@ -269,9 +269,12 @@ async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review
     nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
     scoring_sim: ServedApp,
 ) -> None:  # fmt: skip
+    # the breaker opens during the outage; once nothing but the checks calls scoring, their
+    # loop must still probe it closed (pybreaker half-opens only on a call), and the checks
+    # a failed round took must come due at the next round, not a whole batch's timeout later
     settings = settings_for(
         nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        deferred_check_interval_s=0.2, scoring_breaker_failures=100,
+        deferred_check_interval_s=0.2, scoring_breaker_failures=2, scoring_breaker_reset_s=0.5,
     )  # fmt: skip
     await set_sim(scoring_sim.url, error_rate=1.0)
     js = await provisioned(nc, settings)
@@ -280,6 +283,10 @@ async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review
     async with running_worker(settings) as worker:
         await eventually(settled(database_url, 2), "both charged without a verdict")
         assert worker.metric("charge_worker_scoring_total", result="failed_defer") == 2
+        await eventually(
+            lambda: worker.metric("charge_worker_breaker_open", dependency="scoring") == 1,
+            "the scoring breaker open",
+        )
         await set_sim(scoring_sim.url, error_rate=0.0)  # scoring is healthy again
         await eventually(
             lambda: (
