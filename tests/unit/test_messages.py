@@ -44,7 +44,7 @@ POISON = [
     (b"[1, 2]", "not an object"),
     (b'{"order_id": ' + b"9" * 5000 + b"}", "not UTF-8 JSON"),
     # found by the chaos suite: RecursionError is no ValueError, and crashed the delivery
-    (b'{"deep": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+    (b'{"deep": ' + b"[" * 5000 + b"]" * 5000 + b"}", "deeper than 100 levels"),
     (b" " * (MAX_BODY_BYTES + 1), "byte limit"),
     (body(schema="charge.due/v2"), "schema"),
     (body(schema=...), "schema"),
@@ -91,3 +91,18 @@ def test_round_trip(order_id: int, amount: int, day: dt.date) -> None:
     charge = parse(body(order_id=order_id, amount_minor=amount, billing_period=day.isoformat()))
     assert parse(charge.to_json()) == charge
     assert isinstance(charge, ChargeDue)
+
+
+def test_brackets_inside_strings_are_no_nesting() -> None:
+    raw = json.loads(body())
+    raw["note"] = "[{" * 5000 + '\\"]'
+    assert parse(json.dumps(raw).encode()).order_id == raw["order_id"]
+
+
+def test_nesting_is_measured_before_json_sees_it() -> None:
+    raw = json.loads(body())
+    raw["deep"] = json.loads("[" * 99 + "]" * 99)  # inside the body's object: 100 levels
+    assert parse(json.dumps(raw).encode()).order_id == raw["order_id"]
+    raw["deep"] = [raw["deep"]]
+    with pytest.raises(PoisonMessage, match="deeper than 100 levels"):
+        parse(json.dumps(raw).encode())
