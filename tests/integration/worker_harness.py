@@ -212,6 +212,7 @@ class WorkerProcess:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
         full = {**clean, **settings_env(settings), "CHARGE_WORKER_LOG_FORMAT": "json", **env}
         self.log = log
+        self.killed = False  # by kill(), as opposed to dying by itself
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "charge_worker", "run"],
@@ -232,5 +233,6 @@ class WorkerProcess:
     def kill(self) -> None:
         """SIGKILL, like a pod killed mid-charge; waits for the exit."""
         if self.proc.poll() is None:
+            self.killed = True
             self.proc.kill()
             self.proc.wait()

@@ -1,0 +1,237 @@
+"""Judge a quiet system the way an auditor would: count the money at the gateway.
+
+Every manifest key gets exactly one outcome. Good ones: `charged_once`, `declined`,
+`blocked`, `blocked_post_hoc` (scoring was down, the charge went through, the deferred check
+flagged it for review: the designed degradation) and `dead_lettered` (poison, with the
+right reason). Everything in `FATAL` fails the run. Charges are counted per
+`(order_id, billing_period)` from the charge's metadata, whatever idempotency key it came
+with, and a refunded charge still counts: a refund repairs a double charge, it does not
+undo it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import httpx
+from nats.aio.client import Client
+
+from charge_worker.settings import NatsSettings
+from tests.chaos.generator import Entry
+
+FATAL = frozenset(
+    {
+        "charged_twice",
+        "missing",
+        "unexpected",
+        "valid_message_dead_lettered",
+        "poison_escaped",
+        "key_param_mismatch",
+        "conflict_escaped",
+    }
+)
+EFFECTIVE = frozenset({"succeeded", "refunded"})
+_ORDER_ID = re.compile(rb'"order_id":\s*(\d{1,19})[,}]')
+_PERIOD = re.compile(rb'"billing_period":\s*"(\d{4}-\d{2}-\d{2})"')
+
+
+@dataclass(frozen=True)
+class Letter:
+    body: bytes
+    reason: str | None
+    key: str | None  # `order_id:billing_period` when the body names one
+
+
+@dataclass
+class Facts:
+    """Everything the checker reads, gathered once after the system went quiet."""
+
+    charges: dict[str, list[dict[str, Any]]]  # gateway charges by metadata key
+    rows: dict[str, asyncpg.Record]
+    letters: list[Letter]
+    deliveries: Counter[str]
+    redeliveries: int
+    unknown_resolution_s: list[float]
+
+
+@dataclass
+class Verdict:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    bad: list[tuple[str, str, str]] = field(default_factory=list)  # key, outcome, detail
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fatal(self) -> list[tuple[str, str, str]]:
+        return [b for b in self.bad if b[1] in FATAL]
+
+    def add(self, key: str, outcome: str, detail: str = "") -> None:
+        self.outcomes[outcome] += 1
+        if outcome in FATAL:
+            self.bad.append((key, outcome, detail))
+
+
+async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSettings) -> Facts:
+    async with httpx.AsyncClient() as client:
+        data = (await client.get(f"{gateway_url}/_sim/charges", timeout=30)).json()["data"]
+    charges: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for charge in data:
+        meta = charge.get("metadata") or {}
+        charges[f"{meta.get('order_id')}:{meta.get('billing_period')}"].append(charge)
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = {
+            r["key"]: r
+            for r in await conn.fetch(
+                """SELECT a.idempotency_key AS key, a.status, a.amount_minor, a.customer_id,
+                          a.gateway_calls, a.gateway_charge_id, a.review_reason,
+                          d.status AS deferred
+                     FROM charge_attempts a
+                LEFT JOIN deferred_scoring_checks d USING (order_id, billing_period)"""
+            )
+        }
+        deliveries = Counter(
+            {
+                f"{r['order_id']}:{r['billing_period'].isoformat()}": r["n"]
+                for r in await conn.fetch(
+                    """SELECT order_id, billing_period, count(*) AS n FROM charge_events
+                        WHERE kind = 'delivery' GROUP BY 1, 2"""
+                )
+            }
+        )
+        redeliveries = await conn.fetchval(
+            """SELECT count(*) FROM charge_events
+                WHERE kind = 'delivery' AND (detail->>'delivery')::int > 1"""
+        )
+        unknown = await conn.fetch(
+            """SELECT extract(epoch FROM a.settled_at - min(e.at)) AS s
+                 FROM charge_events e JOIN charge_attempts a USING (order_id, billing_period)
+                WHERE e.kind = 'delivery' AND e.detail->>'outcome' = 'outcome_unknown'
+                  AND a.settled_at IS NOT NULL
+                GROUP BY a.order_id, a.billing_period, a.settled_at"""
+        )
+    finally:
+        await conn.close()
+    return Facts(
+        charges, rows, await read_letters(nc, cfg), deliveries, redeliveries,
+        [float(r["s"]) for r in unknown],
+    )  # fmt: skip
+
+
+async def read_letters(nc: Client, cfg: NatsSettings) -> list[Letter]:
+    js = nc.jetstream()
+    state = (await js.stream_info(cfg.dlq_stream)).state
+    letters = []
+    for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+        msg = await js.get_msg(cfg.dlq_stream, seq)
+        headers = msg.headers or {}
+        letters.append(Letter(msg.data or b"", headers.get("Dlq-Reason"), _key_of(msg.data)))
+    return letters
+
+
+def _key_of(body: bytes | None) -> str | None:
+    """The charge key a letter's body names, read without a JSON parser: a 5,000-deep poison
+    body must not reach `json.loads` in this process (see `messages._depth`)."""
+    order = _ORDER_ID.search(body or b"")
+    period = _PERIOD.search(body or b"")
+    return f"{int(order[1])}:{period[1].decode()}" if order and period else None
+
+
+def judge(entries: list[Entry], facts: Facts) -> Verdict:
+    verdict = Verdict()
+    letters_by_key: dict[str, list[Letter]] = defaultdict(list)
+    for letter in facts.letters:
+        if letter.key is not None:
+            letters_by_key[letter.key].append(letter)
+    poison_bodies = Counter(letter.body for letter in facts.letters if letter.reason == "poison")
+    known: set[str] = set()
+    for entry in entries:
+        if entry.poison is not None:
+            found = poison_bodies[entry.body()]
+            verdict.add(entry.key, "dead_lettered" if found else "poison_escaped")
+            continue
+        known.add(entry.key)
+        outcome, detail = _valid(entry, facts, letters_by_key[entry.key])
+        verdict.add(entry.key, outcome, detail)
+    for key, charges in facts.charges.items():
+        if key not in known and any(c["status"] in EFFECTIVE for c in charges):
+            verdict.add(key, "unexpected", f"{len(charges)} gateway charge(s) for no manifest key")
+    calls = [r["gateway_calls"] for r in facts.rows.values()] or [0]
+    verdict.stats = {
+        "gateway_calls_p50": statistics.median(calls),
+        "gateway_calls_max": max(calls),
+        "redeliveries": facts.redeliveries,
+        "dead_letters": len(facts.letters),
+        "dead_letters_expected": sum(
+            1 for e in entries if e.poison is not None or e.conflict_amount is not None
+        ),
+        "unknown_outcomes": len(facts.unknown_resolution_s),
+        "unknown_resolution_p99_s": _p99(facts.unknown_resolution_s),
+        "unknown_resolution_max_s": max(facts.unknown_resolution_s, default=0.0),
+    }
+    return verdict
+
+
+# expected outcome -> (charged at the gateway, ledger status)
+SETTLED = {
+    "charged_once": (True, "succeeded"),
+    "declined": (False, "declined"),
+    "blocked": (False, "blocked"),
+}
+
+
+def _valid(entry: Entry, facts: Facts, letters: list[Letter]) -> tuple[str, str]:
+    charges = facts.charges.get(entry.key, [])
+    effective = [c for c in charges if c["status"] in EFFECTIVE]
+    if violation := _violation(entry, charges, effective, letters):
+        return violation
+    row = facts.rows.get(entry.key)
+    status = row["status"] if row else None
+    charged = len(effective) == 1
+    if SETTLED[entry.expect] == (charged, status):
+        return entry.expect, ""
+    if (
+        entry.expect == "blocked"
+        and charged
+        and row
+        and (row["deferred"] == "blocked" or row["review_reason"])
+    ):
+        return "blocked_post_hoc", ""
+    detail = f"ledger {status}, {len(effective)} effective of {len(charges)} gateway charge(s)"
+    return ("unexpected" if charged else "missing"), detail
+
+
+def _violation(
+    entry: Entry,
+    charges: list[dict[str, Any]],
+    effective: list[dict[str, Any]],
+    letters: list[Letter],
+) -> tuple[str, str] | None:
+    """A fatal outcome whatever the key was meant to become."""
+    if len(effective) > 1:
+        return "charged_twice", ", ".join(f"{c['id']} ({c['status']})" for c in effective)
+    amounts = {entry.amount, entry.conflict_amount} - {None}
+    for charge in charges:
+        if (
+            charge.get("idempotency_key") != entry.key
+            or charge.get("customer") != entry.customer
+            or charge.get("amount") not in amounts
+        ):
+            return "key_param_mismatch", json.dumps(charge)[:300]
+    if stray := [letter.reason for letter in letters if letter.reason != "conflict"]:
+        return "valid_message_dead_lettered", f"Dlq-Reason {stray}"
+    if entry.conflict_amount is not None and not letters:
+        return "conflict_escaped", "the conflicting copy was not dead-lettered `conflict`"
+    return None
+
+
+def _p99(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]

@@ -1,0 +1,308 @@
+"""The system under attack: servers, simulators, a proxy in front of each, N worker processes.
+
+The chaos suite kills and pauses its servers, so it always runs its own embedded
+nats-server and PostgreSQL (`Servers`, shared by the scenarios of one run) and ignores
+`NATS_URL` / `DATABASE_URL`. Each scenario gets a fresh database, fresh stream names, fresh
+simulators and proxies (`Cluster`). The workers reach NATS, PostgreSQL and the gateway only
+through the proxies, so a nemesis can slow, blackhole or reset their traffic; the harness
+itself (generator, checker) talks to the servers directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from asyncio.subprocess import PIPE
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+from nats.aio.client import Client
+
+from charge_worker import streams
+from charge_worker.migrate import migrate
+from charge_worker.sandbox.embedded import NatsServer, PostgresServer
+from charge_worker.sandbox.gateway import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings, Settings
+from tests.chaos.proxy import Proxy
+from tests.integration.worker_harness import WorkerProcess, settings_env, settings_for
+
+# Fast clocks so that every redelivery, lease expiry and quiet-row sweep happens within
+# seconds; every value passes the settings' own cross-field rules.
+CHAOS_SETTINGS: dict[str, Any] = {
+    "ack_wait_s": 2.0,
+    "backoff_s": (2.0, 2.0, 3.0, 3.0, 4.0),
+    "max_deliver": 12,
+    "lease_s": 6.0,
+    "gateway_timeout_s": 1.0,
+    "processing_budget_s": 30.0,
+    "drain_s": 5.0,
+    "concurrency": 16,
+    "fetch_wait_s": 0.5,
+    "deferred_check_interval_s": 1.0,
+    "stats_interval_s": 1.0,
+    "gateway_breaker_reset_s": 2.0,
+    "scoring_breaker_reset_s": 2.0,
+    "reconcile_quiet_s": 3.0,
+    "db_pool_max": 20,
+}
+RESTART_AFTER_S = 0.5
+FAILPOINT_DEATH = "worker died at a failpoint"  # a SIGKILL no nemesis sent
+# the knobs of a scenario that are an outage, not a property of the gateway (key retention
+# and idempotency stay as the scenario set them)
+HEALTHY_GATEWAY = {
+    "lost_answer_rate": 0.0,
+    "error_rates": {},
+    "latency": GatewayConfig().latency.model_dump(),
+}
+HEALTHY_SCORING = {
+    "latency": ScoringConfig().latency.model_dump(),
+    "error_rate": 0.0,
+    "hang_rate": 0.0,
+    "malformed_rate": 0.0,
+}
+Completed = subprocess.CompletedProcess[
+    str
+]  # how long a dead worker stays down before its "pod" restarts
+
+
+class Chronicle:
+    """Every harness and nemesis action with seconds since the start; printed on failure."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.lines: list[tuple[float, str, str]] = []
+        self.outages: list[tuple[str, float]] = []  # what, when it ended (wall clock)
+        self.attacks: Counter[str] = Counter()  # nemesis name -> actions taken
+
+    def __call__(self, who: str, what: str) -> None:
+        self.lines.append((self.now(), who, what))
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def last(self, who_prefix: str) -> float | None:
+        """When the last line by someone starting with `who_prefix` was written."""
+        times = [t for t, who, _ in self.lines if who.startswith(who_prefix)]
+        return max(times) if times else None
+
+    def render(self) -> str:
+        return "\n".join(f"{t:8.2f}s  {who:<12} {what}" for t, who, what in self.lines)
+
+
+class Servers:
+    """nats-server and PostgreSQL for a whole chaos run; nemeses restart and pause them."""
+
+    def __init__(self) -> None:
+        self.nats = NatsServer()
+        self.pg = PostgresServer()
+
+    def start(self) -> Servers:
+        self.nats.start()
+        self.pg.start()
+        return self
+
+    def heal(self) -> None:
+        """Both servers running and not paused, whatever a nemesis left behind."""
+        for server in (self.nats, self.pg):
+            if server.proc is None or server.proc.poll() is not None:
+                server.start()
+            else:
+                server.resume()
+
+    def stop(self) -> None:
+        self.nats.stop()
+        self.pg.stop()
+
+
+@dataclass
+class Cluster:
+    """One scenario's system: its database, streams, simulators, proxies and workers."""
+
+    servers: Servers
+    root: Path
+    settings: Settings
+    gateway: ServedApp
+    scoring: ServedApp
+    proxies: dict[str, Proxy]
+    chronicle: Chronicle
+    workers: list[WorkerProcess] = field(default_factory=list)
+    _restarts: int = 0
+
+    @property
+    def database_url(self) -> str:
+        """The scenario's database, directly (not through the proxy)."""
+        assert self.settings.db.url is not None
+        return _direct(self.settings.db.url, self.servers.pg.port, self.proxies["postgres"])
+
+    @property
+    def direct_nats(self) -> NatsSettings:
+        return self.settings.nats.model_copy(update={"url": self.servers.nats.url})
+
+    def env(self) -> dict[str, str]:
+        """The environment of a `charge-worker` command run against this cluster."""
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
+        return {**clean, **settings_env(self.settings)}
+
+    def spawn(self, count: int) -> None:
+        for _ in range(count):
+            self._start_worker(len(self.workers))
+
+    def _start_worker(self, index: int) -> None:
+        log = self.root / f"worker-{index}.log"
+        worker = WorkerProcess(self.settings, log)
+        if index < len(self.workers):
+            self.workers[index] = worker
+        else:
+            self.workers.append(worker)
+        self.chronicle("cluster", f"worker {index} started (pid {worker.proc.pid})")
+
+    def kill(self, index: int) -> None:
+        worker = self.workers[index]
+        if worker.alive:
+            worker.kill()
+            self.chronicle("nemesis", f"kill -9 worker {index} (pid {worker.proc.pid})")
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Restart every worker that died (a nemesis, a failpoint), like a Deployment does."""
+        down_since: dict[int, float] = {}
+        while not stop.is_set():
+            now = time.monotonic()
+            for index, worker in enumerate(self.workers):
+                if worker.alive:
+                    continue
+                if index not in down_since:
+                    down_since[index] = now
+                    self.chronicle("cluster", f"worker {index} exited {worker.proc.returncode}")
+                    if worker.proc.returncode == -signal.SIGKILL and not worker.killed:
+                        self.chronicle.attacks[FAILPOINT_DEATH] += 1
+                elif now - down_since[index] >= RESTART_AFTER_S:
+                    del down_since[index]
+                    self._restarts += 1
+                    self._start_worker(index)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
+
+    async def command(self, *args: str, timeout_s: float = 120.0) -> Completed:
+        """`charge-worker <args>` against this cluster (through the proxies, like a pod).
+
+        Killed when cancelled or after `timeout_s` (a CronJob's deadline): exit -9."""
+        command = [sys.executable, "-m", "charge_worker", *args]
+        process = await asyncio.create_subprocess_exec(
+            *command, env=self.env(), stdout=PIPE, stderr=PIPE, stdin=subprocess.DEVNULL
+        )
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), timeout_s)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            return Completed(command, -signal.SIGKILL, "", f"killed after {timeout_s}s")
+        finally:
+            if process.returncode is None:  # cancelled
+                process.kill()
+                await process.wait()
+        return Completed(command, process.returncode or 0, out.decode(), err.decode())
+
+    def heal(self) -> None:
+        """Every fault over: proxies pass, servers up, simulators healthy again."""
+        for proxy in self.proxies.values():
+            proxy.pass_through()
+        self.servers.heal()
+        for app, healthy in ((self.gateway, HEALTHY_GATEWAY), (self.scoring, HEALTHY_SCORING)):
+            httpx.post(f"{app.url}/_sim/config", json=healthy, timeout=10).raise_for_status()
+
+    def deploy_fix(self) -> None:
+        """Failpoints off, as a release would turn a bug off: SIGTERM every worker (it
+        drains), and the supervisor starts them again with the new settings."""
+        if not self.settings.worker.failpoints:
+            return
+        worker = self.settings.worker.model_copy(update={"failpoints": ""})
+        self.settings = self.settings.model_copy(update={"worker": worker})
+        for index, process in enumerate(self.workers):
+            if process.alive:
+                process.proc.terminate()
+                self.chronicle("cluster", f"worker {index} SIGTERM: failpoints off")
+
+    def stop_workers(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+
+
+def _direct(url: str, port: int, proxy: Proxy) -> str:
+    return url.replace(f":{proxy.port}/", f":{port}/")
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    servers: Servers,
+    root: Path,
+    chronicle: Chronicle,
+    *,
+    gateway: GatewayConfig,
+    scoring: ScoringConfig,
+    overrides: dict[str, Any],
+) -> AsyncIterator[Cluster]:
+    """A fresh database, streams, simulators and proxies on `servers`; workers not started."""
+    uid = uuid.uuid4().hex[:10]
+    database = f"chaos_{uid}"
+    admin = await asyncpg.connect(servers.pg.url)
+    try:
+        await admin.execute(f"CREATE DATABASE {database}")
+    finally:
+        await admin.close()
+    await migrate(servers.pg.url_for(database))
+    with contextlib.ExitStack() as stack:
+        gateway_app = stack.enter_context(ServedApp(build_gateway_app(gateway)))
+        scoring_app = stack.enter_context(ServedApp(build_scoring_app(scoring)))
+        proxies = {
+            "nats": stack.enter_context(Proxy("127.0.0.1", servers.nats.port)),
+            "postgres": stack.enter_context(Proxy("127.0.0.1", servers.pg.port)),
+            "gateway": stack.enter_context(Proxy("127.0.0.1", gateway_app.port)),
+        }
+        nats = NatsSettings(
+            url=f"nats://127.0.0.1:{proxies['nats'].port}",
+            stream=f"CHARGES_{uid}",
+            subject=f"charges_{uid}.due",
+            dlq_stream=f"CHARGES_DLQ_{uid}",
+            dlq_subject=f"charges_{uid}.dlq",
+        )
+        settings = settings_for(
+            nats,
+            f"postgresql://postgres@127.0.0.1:{proxies['postgres'].port}/{database}",
+            f"http://127.0.0.1:{proxies['gateway'].port}",
+            scoring_app.url,
+            **(CHAOS_SETTINGS | overrides),
+        )
+        built = Cluster(servers, root, settings, gateway_app, scoring_app, proxies, chronicle)
+        nc = await connect_direct(built)
+        try:
+            report = await streams.provision(nc.jetstream(), built.direct_nats)
+            assert not report.drift, report.drift
+        finally:
+            await nc.close()
+        try:
+            yield built
+        finally:
+            built.stop_workers()
+            built.heal()
+
+
+async def connect_direct(built: Cluster) -> Client:
+    """The harness's own NATS connection, around the proxy."""
+    return await streams.connect(built.direct_nats, name="chaos-harness")

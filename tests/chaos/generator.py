@@ -1,0 +1,201 @@
+"""What the chaos run means to charge, written down before anything is published (the oracle).
+
+Valid charges go the production way: one `subscriptions` row each, then `charge-worker
+produce` (the outbox: `scheduled` ledger rows, then `charges.due`), so reconcile can recover
+a message the broker lost. On top, as an external producer would, the generator publishes
+directly: identical re-publishes (same `Nats-Msg-Id`, dropped by JetStream), the same key
+under a new `Nats-Msg-Id` (absorbed by the claim), conflicting duplicates (same key, another
+amount: dead-lettered `conflict`) and poison (dead-lettered `poison`). Customer ids pick the
+outcome: `cus_decline…` is declined by the gateway, `cus_block…` blocked by scoring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import random
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import asyncpg
+import nats.errors
+from nats.js import JetStreamContext
+
+from charge_worker.messages import ChargeDue
+
+PERIOD = dt.date(2026, 12, 1)
+FIRST_ORDER = 700_000
+Expect = Literal["charged_once", "declined", "blocked", "dead_lettered"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One manifest line: a charge key (or a poison body) and what must become of it."""
+
+    key: str
+    expect: Expect
+    order_id: int | None = None
+    customer: str | None = None
+    amount: int | None = None
+    poison: str | None = None  # the exact body, for poison (latin-1, to keep any byte)
+    reason: str | None = None  # the Dlq-Reason a dead letter must carry
+    conflict_amount: int | None = None  # a conflicting copy was published with this amount
+    same_msg_id_copies: int = 0
+    new_msg_id_copies: int = 0
+
+    def body(self) -> bytes:
+        if self.poison is not None:
+            return self.poison.encode("latin-1")
+        return self.message().to_json()
+
+    def message(self, amount: int | None = None) -> ChargeDue:
+        assert self.order_id is not None
+        assert self.customer is not None
+        return ChargeDue.model_validate_json(
+            json.dumps(
+                {
+                    "schema": "charge.due/v1",
+                    "order_id": self.order_id,
+                    "billing_period": PERIOD.isoformat(),
+                    "subscription_id": f"sub_{self.order_id}",
+                    "customer_id": self.customer,
+                    "amount_minor": amount or self.amount,
+                    "currency": "RUB",
+                    "due_at": f"{PERIOD.isoformat()}T00:00:00Z",
+                }
+            )
+        )
+
+
+def _poison(index: int, rng: random.Random) -> str:
+    """A body that breaks the contract in one of several ways; unique per index."""
+    valid = {
+        "schema": "charge.due/v1",
+        "order_id": 9_000_000 + index,
+        "billing_period": PERIOD.isoformat(),
+        "subscription_id": f"sub_p{index}",
+        "customer_id": f"cus_ok_p{index}",
+        "amount_minor": 1000,
+        "currency": "RUB",
+        "due_at": f"{PERIOD.isoformat()}T00:00:00Z",
+    }
+    text = json.dumps(valid)
+    shapes = [
+        lambda: f"not json {index}",
+        lambda: json.dumps(valid | {"amount_minor": 0}),
+        lambda: json.dumps(valid | {"amount_minor": 10.5}),
+        lambda: json.dumps(valid | {"amount_minor": "1000"}),
+        lambda: json.dumps(valid | {"amount_minor": True}),
+        lambda: json.dumps(valid | {"schema": "charge.due/v9"}),
+        lambda: json.dumps({k: v for k, v in valid.items() if k != "currency"}),
+        lambda: json.dumps([valid]),
+        lambda: text.replace(f'"order_id": {valid["order_id"]}', '"order_id": ' + "9" * 5000),
+        lambda: text[:-1] + ', "deep": ' + "[" * 5000 + "]" * 5000 + "}",
+        lambda: json.dumps(valid | {"pad": "x" * 900_000}),
+        lambda: text.replace('"amount_minor": 1000', '"amount_minor": NaN'),
+        lambda: "\udcff".encode("utf-8", "surrogatepass").decode("latin-1") + f"{index}",
+    ]
+    return rng.choice(shapes)()
+
+
+def plan(seed: int, size: int, *, poison_share: float = 0.03) -> list[Entry]:
+    """`size` keys: mostly charges, some declines, blocks, poison; extra copies of some."""
+    rng = random.Random(seed)
+    entries: list[Entry] = []
+    for index in range(size):
+        order_id = FIRST_ORDER + index
+        draw = rng.random()
+        amount = rng.randint(100, 500_000)
+        if draw < poison_share:
+            entries.append(
+                Entry(
+                    f"poison:{index}", "dead_lettered", poison=_poison(index, rng), reason="poison"
+                )
+            )
+            continue
+        if draw < poison_share + 0.06:
+            kind: Expect = "declined"
+            customer = f"cus_decline_{index}"
+        elif draw < poison_share + 0.12:
+            kind, customer = "blocked", f"cus_block_{index}"
+        else:
+            kind, customer = "charged_once", f"cus_ok_{index}"
+        extra = rng.random()
+        entries.append(
+            Entry(
+                f"{order_id}:{PERIOD.isoformat()}",
+                kind,
+                order_id=order_id,
+                customer=customer,
+                amount=amount,
+                conflict_amount=amount + 1 if kind == "charged_once" and extra < 0.02 else None,
+                same_msg_id_copies=1 if 0.02 <= extra < 0.07 else 0,
+                new_msg_id_copies=1 if 0.07 <= extra < 0.12 else 0,
+            )
+        )
+    return entries
+
+
+def write_manifest(path: Path, entries: Iterable[Entry]) -> None:
+    with path.open("w") as out:
+        for entry in entries:
+            line = asdict(entry)
+            if entry.poison is not None:  # the body can be 900 KB: keep its size and head
+                line["poison"] = f"{len(entry.poison)} chars: {entry.poison[:80]!r}"
+            out.write(json.dumps(line) + "\n")
+
+
+async def load_subscriptions(database_url: str, entries: Iterable[Entry]) -> int:
+    """One due subscription per valid entry, for `charge-worker produce` to schedule."""
+    rows = [
+        (f"sub_{e.order_id}", e.order_id, e.customer, e.amount, "RUB", PERIOD)
+        for e in entries
+        if e.order_id is not None
+    ]
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.copy_records_to_table(
+            "subscriptions",
+            records=rows,
+            columns=[
+                "subscription_id", "order_id", "customer_id", "amount_minor", "currency",
+                "next_billing_date",
+            ],
+        )  # fmt: skip
+    finally:
+        await conn.close()
+    return len(rows)
+
+
+def extras(entries: Iterable[Entry]) -> list[tuple[bytes, str]]:
+    """Every direct publish: (body, Nats-Msg-Id)."""
+    out: list[tuple[bytes, str]] = []
+    for entry in entries:
+        if entry.poison is not None:
+            out.append((entry.body(), f"chaos-{entry.key}"))
+            continue
+        message = entry.message()
+        out += [(entry.body(), message.msg_id)] * entry.same_msg_id_copies
+        out += [(entry.body(), f"again:{entry.key}")] * entry.new_msg_id_copies
+        if entry.conflict_amount is not None:
+            out.append((entry.message(entry.conflict_amount).to_json(), f"conflict:{entry.key}"))
+    return out
+
+
+async def publish_all(
+    js: JetStreamContext, subject: str, items: list[tuple[bytes, str]], *, within_s: float = 120
+) -> None:
+    """Publish each item until JetStream acknowledges it (the Nats-Msg-Id makes a retry safe)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    for body, msg_id in items:
+        while True:
+            try:
+                await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id}, timeout=2)
+                break
+            except (nats.errors.Error, TimeoutError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)

@@ -1,0 +1,127 @@
+"""The scenarios: which faults, which settings, how many charges in the quick suite.
+
+The failpoint scenarios run 3 workers of concurrency 2. A worker that kills itself takes
+every message in flight with it, and at concurrency 16 a 20 % chance per message means a
+worker almost never survives one batch: a crash loop no consumer makes progress in, and
+every message in it is collateral. At concurrency 2 each death is mostly the message's own,
+which is what "this point fails 20 % of the time" is meant to test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from charge_worker.failpoints import POINTS
+from charge_worker.sandbox.latency import LatencyModel
+from charge_worker.sandbox.scoring import INCIDENT_LATENCY
+from tests.chaos import nemesis
+from tests.chaos.cluster import FAILPOINT_DEATH
+from tests.chaos.nemesis import Nemesis
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    workers: int = 2
+    nemeses: tuple[Nemesis, ...] = ()
+    gateway: dict[str, Any] = field(default_factory=dict)
+    scoring: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    poison_share: float = 0.03
+    purge_fraction: float = 0.0  # of the published messages, deleted before any worker runs
+    quick_size: int = 500
+    full_cap: int | None = None  # at most this many keys in `make chaos` (see FAILPOINT_CAP)
+    fault_window_s: float = 60.0  # faults stop when the work is done or after this long
+    quiet_within_s: float = 180.0
+
+    @property
+    def failpoints(self) -> str:
+        return str(self.settings.get("failpoints", ""))
+
+    def attacks(self) -> list[str]:
+        """What must have struck (see `Chronicle.attacks`) for the run to prove anything."""
+        deaths = [FAILPOINT_DEATH] if ":exit" in self.failpoints else []
+        return [n.name for n in self.nemeses] + deaths
+
+
+# Every death at a failpoint costs a worker restart (~2 s of Python start-up and connects on
+# these machines): 10,000 keys at 20 % are 2,000 restarts, about 40 minutes per failpoint.
+FAILPOINT_CAP = 1000
+# every charge takes 2-8 s at the gateway
+SLOW_GATEWAY = {"latency": LatencyModel(slow_fraction=1.0, slow_min_s=2.0, slow_max_s=8.0)}
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("baseline", "no faults"),
+    Scenario(
+        "crash_storm", "3 workers, one killed (kill -9) every 2 s", workers=3,
+        nemeses=(nemesis.KILL_WORKER,),
+    ),
+    *(
+        Scenario(
+            f"failpoint_{point}", f"the worker kills itself at {point} with probability 0.2",
+            workers=3, settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
+            quick_size=100, full_cap=FAILPOINT_CAP,
+            # only poison reaches the dead-letter points: give them some
+            poison_share=0.3 if "dead_letter" in point else 0.03,
+        )
+        for point in sorted(POINTS)
+    ),
+    Scenario(
+        "redelivery_storm",
+        "ack_wait 1 s, gateway 2-8 s, NATS latency bursts past ack_wait (late acks)",
+        workers=3, nemeses=(nemesis.NATS_LATENCY,), gateway=SLOW_GATEWAY,
+        settings={
+            "ack_wait_s": 1.0, "backoff_s": (1.0, 2.0, 3.0), "gateway_timeout_s": 10.0,
+            "lease_s": 15.0, "concurrency": 64, "processing_budget_s": 60.0,
+        },
+        quick_size=200,
+    ),
+    Scenario("nats_restart", "nats-server killed (SIGKILL or SIGTERM) and restarted",
+             nemeses=(nemesis.RESTART_NATS,)),
+    Scenario("postgres_crash_pause", "PostgreSQL immediate stop + start, and SIGSTOP 1-4 s",
+             nemeses=(nemesis.CRASH_POSTGRES, nemesis.PAUSE_POSTGRES)),
+    Scenario(
+        "scoring_slow", "scoring p99 6-8 s, 10 % errors, 5 % hangs",
+        scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.1, "hang_rate": 0.05,
+                 "hang_s": 30.0},
+        quick_size=300,
+    ),
+    Scenario(
+        "gateway_unknown", "30 % timeouts / 10 % 5xx after commit, 10 % 503 before",
+        nemeses=(nemesis.LOST_ANSWERS,),
+        gateway={"lost_answer_rate": 0.3, "error_rates": {503: 0.1}},
+    ),
+    Scenario(
+        "gateway_forgets_keys", "key retention 1 s (< every backoff) and 30 % lost answers",
+        gateway={"key_retention_s": 1.0, "lost_answer_rate": 0.3},
+    ),
+    Scenario(
+        "gateway_no_idempotency", "idempotency off and 30 % lost answers: the ledger alone",
+        gateway={"idempotency_enabled": False, "lost_answer_rate": 0.3},
+    ),
+    Scenario("purged_stream", "20 % of published messages deleted before any worker ran",
+             purge_fraction=0.2),
+    Scenario("network", "latency, blackhole and resets on the NATS, PostgreSQL, gateway proxies",
+             workers=3, nemeses=(nemesis.NETWORK,)),
+)  # fmt: skip
+
+COMBINED = Scenario(
+    "combined",
+    "every nemesis at once, slow scoring, lost answers, every failpoint at 0.005",
+    workers=3,
+    nemeses=(
+        nemesis.KILL_WORKER, nemesis.RESTART_NATS, nemesis.CRASH_POSTGRES,
+        nemesis.PAUSE_POSTGRES, nemesis.NETWORK, nemesis.NATS_LATENCY, nemesis.LOST_ANSWERS,
+    ),
+    scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.05, "hang_rate": 0.02,
+             "hang_s": 30.0},
+    gateway={"lost_answer_rate": 0.3, "error_rates": {503: 0.05}},
+    settings={"failpoints": ",".join(f"{p}:exit:0.005" for p in sorted(POINTS))},
+    purge_fraction=0.05,
+    fault_window_s=120.0,
+    quiet_within_s=300.0,
+)  # fmt: skip
+
+BY_NAME = {s.name: s for s in (*SCENARIOS, COMBINED)}
