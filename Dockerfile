@@ -58,8 +58,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /app
 USER 10001:10001
 
-# /metrics, /healthz, /readyz (CHARGE_WORKER_METRICS_PORT)
-EXPOSE 9090
+# the worker's /metrics, /healthz, /readyz (CHARGE_WORKER_METRICS_PORT); the webhook
+# receiver serves POST /webhooks/gateway and its own probes on CHARGE_WORKER_WEBHOOK_PORT
+EXPOSE 9090 8081
 
 ENTRYPOINT ["tini", "--", "charge-worker"]
 CMD ["run"]
