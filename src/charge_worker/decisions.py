@@ -20,13 +20,14 @@ pace of the backoff steps. Only a message whose processing keeps crashing, or wh
 keeps dying, runs out of deliveries into the dead-letter stream.
 
 A worker that dies (kill -9, OOM) decides nothing: its message's deliveries run out
-without a verdict and JetStream's MAX_DELIVERIES advisory says so (`after_deliveries_ran_
-out`). A death is no verdict on the message either: every message in flight dies with the
-one that caused it, and each death spends two deliveries (the redelivery that finds the dead
-worker's lease, then the one that takes it over). So a charge the ledger holds as settled is
-forgotten (only its ack was lost), a valid open one is requeued, and only the
-`MAX_EXHAUSTIONS`-th copy to run out is dead-lettered `max_deliveries`: a charge that keeps
-killing its workers, or a fleet in a crash loop, for a human to look at.
+without a verdict, and JetStream's MAX_DELIVERIES advisory says so
+(`after_deliveries_ran_out`). A death is no verdict on the message either: every message
+in flight dies with the one that caused it, and each death spends two deliveries (the
+redelivery that finds the dead worker's lease, then the one that takes it over). So a
+charge the ledger holds as settled is forgotten (only its ack was lost), a valid open one
+is requeued, and only the `MAX_EXHAUSTIONS`-th copy to run out is dead-lettered
+`max_deliveries`: a charge that keeps killing its workers, or a fleet in a crash loop, for
+a human to look at.
 """
 
 from __future__ import annotations
