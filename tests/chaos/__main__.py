@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -96,4 +97,6 @@ async def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so the workers and servers of the run are stopped too
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     sys.exit(asyncio.run(main(sys.argv[1:])))
