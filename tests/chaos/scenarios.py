@@ -31,7 +31,7 @@ class Scenario:
     settings: dict[str, Any] = field(default_factory=dict)
     poison_share: float = 0.03
     purge_fraction: float = 0.0  # of the published messages, deleted before any worker runs
-    quick_size: int = 500
+    quick_size: int = 300
     full_cap: int | None = None  # at most this many keys in `make chaos` (see FAILPOINT_CAP)
     fault_window_s: float = 60.0  # faults stop when the work is done or after this long
     quiet_within_s: float = 180.0
@@ -62,9 +62,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         Scenario(
             f"failpoint_{point}", f"the worker kills itself at {point} with probability 0.2",
             workers=3, settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
-            quick_size=100, full_cap=FAILPOINT_CAP,
-            # only poison reaches the dead-letter points: give them some
-            poison_share=0.3 if "dead_letter" in point else 0.03,
+            quick_size=100 if "dead_letter" in point else 50, full_cap=FAILPOINT_CAP,
+            # only poison reaches the dead-letter point: enough of it that the worker dies
+            poison_share=0.6 if "dead_letter" in point else 0.03,
         )
         for point in sorted(POINTS)
     ),
@@ -86,7 +86,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "scoring_slow", "scoring p99 6-8 s, 10 % errors, 5 % hangs",
         scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.1, "hang_rate": 0.05,
                  "hang_s": 30.0},
-        quick_size=300,
+        quick_size=200,
     ),
     Scenario(
         "gateway_unknown", "30 % timeouts / 10 % 5xx after commit, 10 % 503 before",
