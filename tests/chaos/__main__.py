@@ -80,9 +80,8 @@ async def main(argv: list[str]) -> int:
     servers = Servers().start()
     try:
         for scenario in chosen:
-            size = min(args.size, scenario.full_cap or args.size)
             result = await run_scenario(
-                servers, scenario, size=size, seed=args.seed, root=args.out / scenario.name
+                servers, scenario, size=args.size, seed=args.seed, root=args.out / scenario.name
             )
             (args.out / f"{scenario.name}.txt").write_text(result.report() + "\n")
             print(_line(_cells(result)), flush=True)

@@ -32,7 +32,6 @@ class Scenario:
     poison_share: float = 0.03
     purge_fraction: float = 0.0  # of the published messages, deleted before any worker runs
     quick_size: int = 300
-    full_cap: int | None = None  # at most this many keys in `make chaos` (see FAILPOINT_CAP)
     fault_window_s: float = 60.0  # faults stop when the work is done or after this long
     quiet_within_s: float = 180.0
 
@@ -46,9 +45,6 @@ class Scenario:
         return [n.name for n in self.nemeses] + deaths
 
 
-# Every death at a failpoint costs a worker restart (~2 s of Python start-up and connects on
-# these machines): 10,000 keys at 20 % are 2,000 restarts, about 40 minutes per failpoint.
-FAILPOINT_CAP = 1000
 # every charge takes 2-8 s at the gateway
 SLOW_GATEWAY = {"latency": LatencyModel(slow_fraction=1.0, slow_min_s=2.0, slow_max_s=8.0)}
 
@@ -62,7 +58,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         Scenario(
             f"failpoint_{point}", f"the worker kills itself at {point} with probability 0.2",
             workers=3, settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
-            quick_size=100 if "dead_letter" in point else 50, full_cap=FAILPOINT_CAP,
+            quick_size=100 if "dead_letter" in point else 50,
             # only poison reaches the dead-letter point: enough of it that the worker dies
             poison_share=0.6 if "dead_letter" in point else 0.03,
         )
