@@ -148,11 +148,11 @@ def judge(entries: list[Entry], facts: Facts) -> Verdict:
     for letter in facts.letters:
         if letter.key is not None:
             letters_by_key[letter.key].append(letter)
-    poison_bodies = Counter(letter.body for letter in facts.letters if letter.reason == "poison")
+    poison_letters = Counter((letter.body, letter.reason) for letter in facts.letters)
     known: set[str] = set()
     for entry in entries:
         if entry.poison is not None:
-            found = poison_bodies[entry.body()]
+            found = poison_letters[entry.body(), entry.reason]
             verdict.add(entry.key, "dead_lettered" if found else "poison_escaped")
             continue
         known.add(entry.key)

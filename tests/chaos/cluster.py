@@ -93,11 +93,6 @@ class Chronicle:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def last(self, who_prefix: str) -> float | None:
-        """When the last line by someone starting with `who_prefix` was written."""
-        times = [t for t, who, _ in self.lines if who.startswith(who_prefix)]
-        return max(times) if times else None
-
     def render(self) -> str:
         return "\n".join(f"{t:8.2f}s  {who:<12} {what}" for t, who, what in self.lines)
 
