@@ -33,6 +33,7 @@ from charge_worker.decisions import (
     Requeue,
     after_deliveries_ran_out,
     decide,
+    describe,
 )
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError, PoisonMessage
@@ -41,7 +42,7 @@ from charge_worker.http import open_for_s
 from charge_worker.ledger import Ledger
 from charge_worker.messages import parse
 from charge_worker.metrics import Metrics
-from charge_worker.pipeline import Delivery, Pipeline, Processed
+from charge_worker.pipeline import Delivery, Pipeline, Processed, delivery_story
 from charge_worker.settings import Settings
 
 log = structlog.get_logger("charge_worker.consumer")
@@ -145,11 +146,13 @@ class Consumer:
             stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
         )
         self.metrics.in_flight.inc()
-        heartbeat = asyncio.create_task(self._heartbeat(msg))
+        heartbeat = _Heartbeat(
+            msg, self.settings.heartbeat_s, self.settings.worker.processing_budget_s, self.metrics
+        )
         try:
             processed = await self.pipeline.process(delivery)
         finally:
-            heartbeat.cancel()
+            heartbeat.stop()
             self.metrics.in_flight.dec()
         action = decide(
             processed.result,
@@ -161,15 +164,6 @@ class Consumer:
         action = await self._settle(msg, delivery, processed, action)
         self._account(delivery, processed, action, time.monotonic() - fetched_at)
         await self._record(delivery, processed, action)
-
-    async def _heartbeat(self, msg: Msg) -> None:
-        interval = self.settings.heartbeat_s
-        deadline = time.monotonic() + self.settings.worker.processing_budget_s
-        while time.monotonic() + interval < deadline:
-            await asyncio.sleep(interval)
-            with contextlib.suppress(nats.errors.Error):
-                await msg.in_progress()
-                self.metrics.heartbeats.inc()
 
     async def _settle(
         self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
@@ -276,10 +270,11 @@ class Consumer:
             self.metrics.dead_letters.labels("max_deliveries").inc()
 
     async def _record(self, delivery: Delivery, processed: Processed, action: Action) -> None:
-        """Append this delivery to the charge's story; a poison message has no charge."""
-        charge, claim = processed.charge, processed.claim
-        if charge is None:
+        """Append this delivery to the charge's story (a final one went with the settle)."""
+        charge = processed.charge
+        if charge is None or processed.recorded:  # a poison message has no charge
             return
+        story = delivery_story(delivery, processed.claim, processed.result, processed.notes, action)
         try:
             await events.record(
                 self.ledger.pool,
@@ -287,14 +282,7 @@ class Consumer:
                 charge.billing_period,
                 "delivery",
                 self.pipeline.owner,
-                stream_seq=delivery.stream_seq,
-                delivery=delivery.num_delivered,
-                attempt=claim.attempt if claim else None,
-                taken_from=claim.taken_from if claim else None,
-                outcome=processed.result.outcome.value,
-                error=processed.result.error,
-                **processed.notes,
-                **_describe(action),
+                **story,
             )
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
             log.warning("events.write_failed", error=repr(error))
@@ -302,7 +290,7 @@ class Consumer:
     def _account(
         self, delivery: Delivery, processed: Processed, action: Action, seconds: float
     ) -> None:
-        outcome, described = processed.result.outcome, _describe(action)
+        outcome, described = processed.result.outcome, describe(action)
         self.metrics.messages.labels(outcome.value, described["action"]).inc()
         self.metrics.processing.observe(seconds)
         if outcome is Outcome.DUPLICATE:
@@ -325,12 +313,35 @@ class Consumer:
         structlog.contextvars.clear_contextvars()
 
 
-def _describe(action: Action) -> dict[str, object]:
-    return {
-        "action": type(action).__name__.lower(),
-        "delay_s": action.delay_s if isinstance(action, Nak) else None,
-        "dlq_reason": action.reason if isinstance(action, DeadLetter) else None,
-    }
+class _Heartbeat:
+    """`+WPI` every `interval_s` while a message is processed, up to `budget_s`.
+
+    A timer rather than a task per message: most charges finish before the first beat and
+    then cost one cancelled timer.
+    """
+
+    def __init__(self, msg: Msg, interval_s: float, budget_s: float, metrics: Metrics) -> None:
+        self.msg, self.interval_s, self.metrics = msg, interval_s, metrics
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + budget_s
+        self.timer = self.loop.call_later(interval_s, self._beat)
+        self.sending: asyncio.Task[None] | None = None
+
+    def _beat(self) -> None:
+        if self.loop.time() >= self.deadline:
+            return
+        self.sending = self.loop.create_task(self._send())
+        self.timer = self.loop.call_later(self.interval_s, self._beat)
+
+    async def _send(self) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await self.msg.in_progress()
+            self.metrics.heartbeats.inc()
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.sending is not None:
+            self.sending.cancel()
 
 
 def _trace_id(traceparent: str | None) -> str | None:

@@ -121,6 +121,15 @@ def backoff_delay(delivery: int, backoff_s: tuple[float, ...], ack_wait_s: float
     return backoff_s[min(max(delivery, 1), len(backoff_s)) - 1]
 
 
+def describe(action: Action) -> dict[str, object]:
+    """An action as the `charge.settled` log line and the `delivery` event show it."""
+    return {
+        "action": type(action).__name__.lower(),
+        "delay_s": action.delay_s if isinstance(action, Nak) else None,
+        "dlq_reason": action.reason if isinstance(action, DeadLetter) else None,
+    }
+
+
 def decide(
     result: Result,
     delivery: int,

@@ -9,6 +9,7 @@ Kinds, and who writes them:
 | `gateway_call` | worker     | attempt, call number (written with the call's ledger update)  |
 | `delivery`     | worker     | stream seq, delivery, attempt, taken over from, scoring,       |
 |                |            | lookup, gateway answer, outcome, action, delay, error         |
+|                |            | (a final one is written with the settle's ledger update)      |
 | `republished`  | reconcile  | why, stream seq                                               |
 | `resolved`     | reconcile  | what a lookup found for an unknown outcome                    |
 | `refund`       | reconcile  | charge id, refund id, reason                                  |
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +48,8 @@ class Event:
     detail: dict[str, Any]
 
 
-def _json(detail: dict[str, Any]) -> str:
+def to_json(detail: Mapping[str, Any]) -> str:
+    """An event's detail as stored: `None` values are left out."""
     return json.dumps({k: v for k, v in detail.items() if v is not None}, default=str)
 
 
@@ -59,7 +62,7 @@ async def record(
     **detail: Any,
 ) -> None:
     """Append one event; `None` values are left out of the detail."""
-    await conn.execute(_INSERT, order_id, billing_period, kind, actor, _json(detail))
+    await conn.execute(_INSERT, order_id, billing_period, kind, actor, to_json(detail))
 
 
 async def story(

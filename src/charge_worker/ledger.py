@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import asyncpg
 
+from charge_worker import events
 from charge_worker.errors import AlreadySettled, DependencyUnavailable, LeaseHeld, PayloadConflict
 from charge_worker.messages import ChargeDue
 from charge_worker.settings import DbSettings, require
@@ -85,30 +86,47 @@ WITH updated AS (
 SELECT count(*) FROM updated
 """
 
+# The delivery's event rides along when given: one round trip instead of two per charge.
 _SETTLE = f"""
-UPDATE charge_attempts
-   SET status = $5, gateway_charge_id = coalesce($6, gateway_charge_id), last_error = $7,
-       scoring = coalesce($8, scoring), lease_owner = NULL, lease_until = NULL,
-       settled_at = now(), updated_at = now()
- WHERE {_FENCE}
+WITH updated AS (
+    UPDATE charge_attempts
+       SET status = $5, gateway_charge_id = coalesce($6, gateway_charge_id), last_error = $7,
+           scoring = coalesce($8, scoring), lease_owner = NULL, lease_until = NULL,
+           settled_at = now(), updated_at = now()
+     WHERE {_FENCE}
+    RETURNING order_id, billing_period
+), story AS (
+    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
+    SELECT order_id, billing_period, 'delivery', $3, $9::jsonb
+      FROM updated WHERE $9::jsonb IS NOT NULL
+)
+SELECT count(*) FROM updated
 """
 
 _RETRY_LATER = f"""
-UPDATE charge_attempts
-   SET last_error = $5, updated_at = now(),
-       lease_owner = CASE WHEN $6 THEN lease_owner END,
-       lease_until = CASE WHEN $6 THEN lease_until END
- WHERE {_FENCE}
+WITH updated AS (
+    UPDATE charge_attempts
+       SET last_error = $5, updated_at = now(),
+           lease_owner = CASE WHEN $6 THEN lease_owner END,
+           lease_until = CASE WHEN $6 THEN lease_until END
+     WHERE {_FENCE}
+    RETURNING 1
+)
+SELECT count(*) FROM updated
 """
 
 # The attempt alone fences here: the lease may have been released by this same attempt.
 _GIVE_UP = """
-UPDATE charge_attempts
-   SET status = CASE WHEN gateway_calls = 0 THEN 'failed' ELSE status END,
-       last_error = $5, lease_owner = NULL, lease_until = NULL, updated_at = now(),
-       settled_at = CASE WHEN gateway_calls = 0 THEN now() END
- WHERE order_id = $1 AND billing_period = $2 AND status = 'pending'
-   AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4
+WITH updated AS (
+    UPDATE charge_attempts
+       SET status = CASE WHEN gateway_calls = 0 THEN 'failed' ELSE status END,
+           last_error = $5, lease_owner = NULL, lease_until = NULL, updated_at = now(),
+           settled_at = CASE WHEN gateway_calls = 0 THEN now() END
+     WHERE order_id = $1 AND billing_period = $2 AND status = 'pending'
+       AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4
+    RETURNING 1
+)
+SELECT count(*) FROM updated
 """
 
 
@@ -205,19 +223,7 @@ class Ledger:
         self, claim: Claim, *, scoring: Scoring | None, deferred_reason: str | None
     ) -> None:
         """Count the call about to be made, renew the lease, record a deferred check."""
-        async with _translated():
-            updated = await self.pool.fetchval(
-                _BEGIN_CALL,
-                claim.order_id,
-                claim.billing_period,
-                claim.owner,
-                claim.attempt,
-                scoring,
-                self.lease_s,
-                deferred_reason,
-            )
-        if updated != 1:
-            raise LeaseHeld("the lease was taken over before the gateway call")
+        await self._fenced(_BEGIN_CALL, claim, scoring, self.lease_s, deferred_reason)
 
     async def settle(
         self,
@@ -227,9 +233,14 @@ class Ledger:
         charge_id: str | None = None,
         error: str | None = None,
         scoring: Scoring | None = None,
+        story: Mapping[str, object] | None = None,
     ) -> None:
-        """Record a final state; `LeaseHeld` if this worker no longer owns the charge."""
-        await self._fenced(_SETTLE, claim, status, charge_id, error, scoring)
+        """Record a final state, and `story` as this delivery's event when given.
+
+        `LeaseHeld` if this worker no longer owns the charge (and then no event is written).
+        """
+        detail = None if story is None else events.to_json(story)
+        await self._fenced(_SETTLE, claim, status, charge_id, error, scoring, detail)
 
     async def retry_later(self, claim: Claim, error: str, *, keep_lease: bool) -> None:
         """Stay pending; keep the lease when an earlier call may still be in flight."""
@@ -241,11 +252,12 @@ class Ledger:
         await self._fenced(_GIVE_UP, claim, error)
 
     async def _fenced(self, sql: str, claim: Claim, *args: object) -> None:
+        """Run a write fenced by the claim; every such statement returns the rows it changed."""
         async with _translated():
-            status = await self.pool.execute(
+            updated = await self.pool.fetchval(
                 sql, claim.order_id, claim.billing_period, claim.owner, claim.attempt, *args
             )
-        if status != "UPDATE 1":
+        if updated != 1:
             raise LeaseHeld("the lease was taken over; this worker may not write")
 
     async def status_of(self, order_id: int, billing_period: dt.date) -> str | None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Literal
 
 import structlog
 
-from charge_worker.decisions import Outcome, Result, result_of
+from charge_worker.decisions import Ack, Action, Outcome, Result, describe, result_of
 from charge_worker.errors import (
     ChargeWorkerError,
     GatewayRejected,
@@ -22,7 +23,7 @@ from charge_worker.errors import (
 )
 from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import Claim, Ledger
+from charge_worker.ledger import Claim, FinalStatus, Ledger, Scoring
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.metrics import Metrics
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
@@ -46,11 +47,32 @@ class Processed:
     """What one delivery came to, and what happened on the way (for `explain`)."""
 
     result: Result
-    traceparent: str | None = None
+    delivery: Delivery
     charge: ChargeDue | None = None
     claim: Claim | None = None
     gateway_called: bool = False
     notes: dict[str, object] = field(default_factory=dict)
+    recorded: bool = False  # the `delivery` event was written with the settle
+
+
+def delivery_story(
+    delivery: Delivery,
+    claim: Claim | None,
+    result: Result,
+    notes: dict[str, object],
+    action: Action,
+) -> dict[str, object]:
+    """The `delivery` event: what one delivery came to and what JetStream was told."""
+    return {
+        "stream_seq": delivery.stream_seq,
+        "delivery": delivery.num_delivered,
+        "attempt": claim.attempt if claim else None,
+        "taken_from": claim.taken_from if claim else None,
+        "outcome": result.outcome.value,
+        "error": result.error,
+        **notes,
+        **describe(action),
+    }
 
 
 class Pipeline:
@@ -73,7 +95,7 @@ class Pipeline:
 
     async def process(self, delivery: Delivery) -> Processed:
         """Run one delivery to a result. Nothing escapes: errors become results."""
-        done = Processed(Result(Outcome.UNAVAILABLE), delivery.traceparent)
+        done = Processed(Result(Outcome.UNAVAILABLE), delivery)
         try:
             done.charge = parse(delivery.data)
             done.claim = await self.ledger.claim(
@@ -100,7 +122,7 @@ class Pipeline:
             await self.ledger.retry_later(done.claim, error, keep_lease=keep_lease)
 
     async def _charge(self, done: Processed) -> Result:
-        charge, claim, traceparent = done.charge, done.claim, done.traceparent
+        charge, claim, traceparent = done.charge, done.claim, done.delivery.traceparent
         assert charge is not None
         assert claim is not None
         if claim.outcome_unknown:
@@ -127,8 +149,7 @@ class Pipeline:
                     raise _NoVerdict(verdict.reason)
                 scoring, deferred_reason = "deferred", verdict.reason
             elif verdict.decision == "block":
-                await self.ledger.settle(claim, "blocked", scoring="blocked")
-                return Result(Outcome.BLOCKED)
+                return await self._settle(done, Outcome.BLOCKED, "blocked", scoring="blocked")
             else:
                 scoring = "approved"
         await self.ledger.begin_gateway_call(
@@ -140,7 +161,7 @@ class Pipeline:
     async def _call_gateway(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
         self.failpoints.hit("before_gateway_call")
         try:
-            answer = await self.gateway.charge(charge, traceparent=done.traceparent)
+            answer = await self.gateway.charge(charge, traceparent=done.delivery.traceparent)
         except ChargeWorkerError as error:
             self._gateway_answered(done, result_of(error).outcome.value)
             if isinstance(error, GatewayRejected):
@@ -153,10 +174,33 @@ class Pipeline:
         done.notes.update(charge_id=answer.charge_id, replayed=answer.replayed or None)
         self.failpoints.hit("after_gateway_response_before_commit")
         if answer.status == "succeeded":
-            await self.ledger.settle(claim, "succeeded", charge_id=answer.charge_id)
-            return Result(Outcome.CHARGED)
-        await self.ledger.settle(claim, "declined", error=answer.decline_code)
-        return Result(Outcome.DECLINED)
+            return await self._settle(
+                done, Outcome.CHARGED, "succeeded", charge_id=answer.charge_id
+            )
+        return await self._settle(done, Outcome.DECLINED, "declined", error=answer.decline_code)
+
+    async def _settle(
+        self,
+        done: Processed,
+        outcome: Outcome,
+        status: FinalStatus | Literal["blocked"],
+        *,
+        charge_id: str | None = None,
+        error: str | None = None,
+        scoring: Scoring | None = None,
+    ) -> Result:
+        """Record a final outcome and this delivery's event in one statement.
+
+        `decide` acks every final outcome, so the event can say so before the ack is sent.
+        """
+        assert done.claim is not None
+        result = Result(outcome)
+        story = delivery_story(done.delivery, done.claim, result, done.notes, Ack())
+        await self.ledger.settle(
+            done.claim, status, charge_id=charge_id, error=error, scoring=scoring, story=story
+        )
+        done.recorded = True
+        return result
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
         done.notes["gateway"] = label

@@ -111,6 +111,22 @@ async def test_expired_lease_is_taken_over_and_fences_out_the_old_owner(
     )
 
 
+async def test_a_settle_writes_its_story_only_when_it_holds_the_lease(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
+    old = await ledger.claim(charge(), "w1", 1)
+    await expire_leases(pool)
+    new = await ledger.claim(charge(), "w2", 2)
+    with pytest.raises(LeaseHeld):
+        await ledger.settle(old, "succeeded", charge_id="ch_old", story={"by": "w1"})
+    await ledger.settle(new, "succeeded", charge_id="ch_1", story={"by": "w2", "none": None})
+    stories = await pool.fetch(
+        "SELECT actor, detail FROM charge_events WHERE order_id = $1 AND kind = 'delivery'",
+        48291,
+    )
+    assert [(s["actor"], s["detail"]) for s in stories] == [("w2", '{"by": "w2"}')]
+
+
 async def test_final_row_makes_a_duplicate_delivery_already_settled(ledger: Ledger) -> None:
     claim = await ledger.claim(charge(), "w1", 1)
     await ledger.settle(claim, "declined", error="card_declined")
