@@ -32,6 +32,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
+from charge_worker import event_loop
 from charge_worker.http import build_client
 
 DRAIN_S = 10.0
@@ -192,13 +193,13 @@ def main(argv: list[str]) -> None:
     config = BareConfig.model_validate_json(argv[0])
     profile_path = argv[2] if len(argv) > 2 and argv[1] == "--profile" else None
     if profile_path is None:
-        asyncio.run(serve(config))
+        event_loop.run(serve(config))
         return
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve(config))
+            event_loop.run(serve(config))
     finally:
         profiler.disable()
         profiler.dump_stats(profile_path)

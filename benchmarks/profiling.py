@@ -181,7 +181,7 @@ async def profile_sample(bench: Bench, which: str) -> tuple[Drained, Profile]:
 
 def _run_worker() -> None:
     """What `charge-worker run` does: settings, logging, the worker until SIGTERM."""
-    from charge_worker import logs  # noqa: PLC0415  # the child only
+    from charge_worker import event_loop, logs  # noqa: PLC0415  # the child only
     from charge_worker.app import run_worker, stop_on_signals  # noqa: PLC0415
     from charge_worker.settings import load_settings  # noqa: PLC0415
 
@@ -193,7 +193,7 @@ def _run_worker() -> None:
         with stop_on_signals(stop):
             await run_worker(settings, stop)
 
-    asyncio.run(go())
+    event_loop.run(go())
 
 
 def run_worker_profiled(path: Path) -> None:

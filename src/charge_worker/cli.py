@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from charge_worker import logs
+from charge_worker import event_loop, logs
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.settings import Settings, load_settings
 
@@ -43,7 +43,7 @@ def _settings() -> Settings:
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
+    return event_loop.run(coro)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
