@@ -5,6 +5,10 @@ leaves some behind, and this step is what makes that harmless. Each is published
 `Nats-Msg-Id: charge:<order_id>:<billing_period>`, its ack awaited, and only then is
 `published_at` set, outside any transaction that spans the publish. A failing publish is
 retried with backoff for up to `publish_retry_horizon_s`.
+
+Publishes go out `WINDOW` at a time and their acks are awaited together; the window's
+rows are then marked and their events written in one statement each. One at a time, a
+publish and three statements per row held a month's run to a few hundred charges a second.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from charge_worker.settings import NatsSettings
 
 ACTOR = "producer"
 BATCH = 500  # rows per transaction (schedule) and per read (publish)
+WINDOW = 100  # publishes awaiting their acks at once
 PUBLISH_TIMEOUT_S = 5.0
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 5.0
@@ -55,7 +60,14 @@ SELECT count(*) FROM charge_attempts
 # still say when it was published. The first publish time is never overwritten.
 _MARK_PUBLISHED = """
 UPDATE charge_attempts SET published_at = now()
- WHERE order_id = $1 AND billing_period = $2 AND published_at IS NULL
+ WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
+   AND published_at IS NULL
+"""
+
+_PUBLISHED_EVENTS = """
+INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
+SELECT order_id, billing_period, 'published', $4, detail
+  FROM unnest($1::bigint[], $2::date[], $3::jsonb[]) AS e(order_id, billing_period, detail)
 """
 
 _FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), dt.date.min, 0)
@@ -79,29 +91,52 @@ async def publish_scheduled(
     ticker = Ticker("charges published", progress)
     cursor: tuple[dt.datetime, dt.date, int] = _FIRST
     while rows := await conn.fetch(_UNPUBLISHED, *cursor, batch_size):
-        for row in rows:
-            charge = ChargeDue.model_validate({"schema": SCHEMA, **dict(row)})
-            cursor = (row["created_at"], charge.billing_period, charge.order_id)
-            try:
-                ack = await _publish(js, cfg, charge)
-            except DependencyUnavailable as error:
-                summary.failed.append(Problem(charge.subscription_id, charge.key, str(error)))
-                summary.abandoned = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
-                return
-            await conn.execute(_MARK_PUBLISHED, charge.order_id, charge.billing_period)
-            await record_event(
-                conn,
-                charge,
-                "published",
-                stream_seq=ack.seq,
-                msg_id=charge.msg_id,
-                duplicate=bool(ack.duplicate),
+        for start in range(0, len(rows), WINDOW):
+            window = rows[start : start + WINDOW]
+            charges = [ChargeDue.model_validate({"schema": SCHEMA, **dict(r)}) for r in window]
+            answers = await asyncio.gather(
+                *(_publish(js, cfg, charge) for charge in charges), return_exceptions=True
             )
-            if ack.duplicate:
-                summary.deduplicated += 1
-            else:
-                summary.published += 1
-            ticker.tick()
+            acked = [(c, a) for c, a in zip(charges, answers, strict=True) if isinstance(a, PubAck)]
+            await _mark_published(conn, acked)
+            for _, ack in acked:
+                if ack.duplicate:
+                    summary.deduplicated += 1
+                else:
+                    summary.published += 1
+                ticker.tick()
+            failures = [
+                (c, a)
+                for c, a in zip(charges, answers, strict=True)
+                if isinstance(a, BaseException)
+            ]
+            if failures:
+                charge, error = failures[0]
+                if not isinstance(error, DependencyUnavailable):
+                    raise error
+                summary.failed.append(Problem(charge.subscription_id, charge.key, str(error)))
+                left = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
+                summary.abandoned = left - 1  # every unpublished row after `cursor` but this one
+                return
+            last = window[-1]
+            cursor = (last["created_at"], last["billing_period"], last["order_id"])
+
+
+async def _mark_published(conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck]]) -> None:
+    """Set `published_at` on the acked rows and write their `published` events."""
+    if not acked:
+        return
+    order_ids = [c.order_id for c, _ in acked]
+    periods = [c.billing_period for c, _ in acked]
+    await conn.execute(_MARK_PUBLISHED, order_ids, periods)
+    details = [
+        events.to_json({"stream_seq": a.seq, "msg_id": c.msg_id, "duplicate": bool(a.duplicate)})
+        for c, a in acked
+    ]
+    try:
+        await conn.execute(_PUBLISHED_EVENTS, order_ids, periods, details, ACTOR)
+    except asyncpg.PostgresError as error:  # the events describe; they never decide
+        log.warning("events.write_failed", kind="published", rows=len(acked), error=repr(error))
 
 
 async def _publish(js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue) -> PubAck:

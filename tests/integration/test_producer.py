@@ -373,6 +373,27 @@ async def test_a_publish_failing_past_the_horizon_is_counted_and_published_next_
     }  # fmt: skip
 
 
+async def test_a_failure_past_the_first_window_keeps_what_was_acked(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    """Publishes go out a window at a time: the acked part of a failing window is kept."""
+    cfg = nats_settings.model_copy(update={"publish_retry_horizon_s": 0.3})
+    js = nc.jetstream()
+    full = dataclasses.replace(streams.charges_stream(cfg), max_msgs=150, discard=DiscardPolicy.NEW)
+    await js.add_stream(full)
+    await add_subscriptions(database_url, *(Sub(f"sub_{n}", n) for n in range(1, 251)))
+
+    summary = await produce(Settings(nats=cfg, db=DbSettings(url=database_url)), DAY)
+
+    assert (summary.published, len(summary.failed), summary.abandoned) == (150, 1, 99)
+    published = {k for k, (_, done) in (await attempts(database_url)).items() if done}
+    assert len(published) == 150
+    assert {f"charge:{key}" for key in published} == set(await stream_messages(js, cfg.stream))
+    async with connected(database_url) as conn:
+        told = await conn.fetchval("SELECT count(*) FROM charge_events WHERE kind = 'published'")
+    assert told == 150
+
+
 async def test_a_lost_connection_fails_at_once_and_leaves_the_rest_scheduled(
     nats_settings: NatsSettings, database_url: str
 ) -> None:
