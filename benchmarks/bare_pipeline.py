@@ -4,8 +4,9 @@ Per message, exactly the round trips a charge needs: pull fetch (to free capacit
 worker), claim `INSERT`, score `POST`, charge `POST`, mark `UPDATE`, ack. No validation
 model, no lease fence, no breaker, no heartbeats, no deadline, no gateway-call bookkeeping,
 no event rows, no metrics, no log line. The HTTP clients are the worker's own
-(`charge_worker.http.build_client`: httpx over the httpx-aiohttp transport) and the pool is
-asyncpg with the worker's pool size, so the two differ only in what the worker adds.
+(`charge_worker.http.build_client`: httpx over the httpx-aiohttp transport), the pool is
+asyncpg with the worker's size and reset, and the event loop is the worker's
+(`charge_worker.event_loop`), so the two differ only in what the worker adds.
 
 Run as a child process by the harness (its CPU is measured like the worker's):
 `python -m benchmarks.bare_pipeline CONFIG_JSON [--profile PATH]`. It touches
@@ -34,6 +35,7 @@ from pydantic import BaseModel
 
 from charge_worker import event_loop
 from charge_worker.http import build_client
+from charge_worker.ledger import keep_session
 
 DRAIN_S = 10.0
 OWNER = "bare-pipeline"
@@ -170,7 +172,9 @@ async def serve(config: BareConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    pool = await asyncpg.create_pool(config.database_url, min_size=1, max_size=config.db_pool_max)
+    pool = await asyncpg.create_pool(
+        config.database_url, min_size=1, max_size=config.db_pool_max, reset=keep_session
+    )
     assert pool is not None
     scoring = build_client(config.scoring_url, timeout_s=config.http_timeout_s, max_connections=100)
     gateway = build_client(
