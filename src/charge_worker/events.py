@@ -16,7 +16,9 @@ Kinds, and who writes them:
 | `discrepancy`  | reconcile  | what disagrees                                                |
 | `webhook`      | webhooks   | event id, type, charge id, revision, outcome, looked up       |
 
-Writing an event never decides anything: a failure to write one is logged and ignored.
+Writing an event never decides anything: a failure to write one is logged and ignored. The
+exception is the `delivery` event of a final outcome, written by the settle statement itself:
+it stands or falls with the ledger update it describes.
 """
 
 from __future__ import annotations
