@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from charge_worker import streams
 from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
-from charge_worker.producer_publish import BATCH, publish_scheduled, record_event
+from charge_worker.producer_publish import ACTOR, BATCH, publish_scheduled
 from charge_worker.producer_summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import DbSettings, Settings, require
 
@@ -47,12 +47,22 @@ SELECT subscription_id, order_id, customer_id, amount_minor, currency, next_bill
    FOR UPDATE SKIP LOCKED
 """
 
+# The `scheduled` event goes with the row, in the same round trip.
 _SCHEDULE = """
-INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
-                             customer_id, amount_minor, currency, due_at, status)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'scheduled')
-ON CONFLICT DO NOTHING
-RETURNING order_id
+WITH inserted AS (
+    INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
+                                 customer_id, amount_minor, currency, due_at, status)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'scheduled')
+    ON CONFLICT DO NOTHING
+    RETURNING order_id, billing_period
+), story AS (
+    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
+    SELECT order_id, billing_period, 'scheduled', $9,
+           jsonb_build_object('subscription_id', $4::text, 'amount_minor', $6::bigint,
+                              'currency', $7::text)
+      FROM inserted
+)
+SELECT order_id FROM inserted
 """
 
 _EXISTING = """
@@ -167,17 +177,10 @@ async def _schedule_charge(conn: asyncpg.Connection, charge: ChargeDue, summary:
         charge.amount_minor,
         charge.currency,
         charge.due_at,
+        ACTOR,
     )
     if inserted is not None:
         summary.scheduled += 1
-        await record_event(
-            conn,
-            charge,
-            "scheduled",
-            subscription_id=charge.subscription_id,
-            amount_minor=charge.amount_minor,
-            currency=charge.currency,
-        )
         return True
     existing = await conn.fetchrow(_EXISTING, *key)
     fingerprint = f"{charge.amount_minor} {charge.currency} {charge.customer_id}"

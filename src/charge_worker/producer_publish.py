@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from typing import Any
 
 import asyncpg
 import nats.errors
@@ -168,18 +167,3 @@ async def _publish(js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue) -
                 ) from error
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, MAX_RETRY_S)
-
-
-async def record_event(
-    conn: asyncpg.Connection, charge: ChargeDue, kind: str, **detail: Any
-) -> None:
-    """Append to the charge's story as the producer; a failure is logged and ignored.
-
-    Inside a transaction the event gets a savepoint of its own, so that a lost event never
-    undoes the ledger write it describes.
-    """
-    try:
-        async with conn.transaction():
-            await events.record(conn, charge.order_id, charge.billing_period, kind, ACTOR, **detail)
-    except asyncpg.PostgresError as error:
-        log.warning("events.write_failed", kind=kind, key=charge.key, error=repr(error))
