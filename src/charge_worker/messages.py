@@ -47,7 +47,9 @@ def _shaped(pattern: re.Pattern[str], shape: str, native: type) -> BeforeValidat
 class ChargeDue(BaseModel):
     """One subscription whose billing day has come. Unknown extra fields are ignored."""
 
-    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+    # cache_strings: the values (customers, timestamps) are new in nearly every message, so
+    # pydantic-core's string cache would only fill up with them; the keys repeat.
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore", cache_strings="keys")
 
     schema_: Literal["charge.due/v1"] = Field(alias="schema")
     order_id: int = Field(ge=1, le=MAX_ORDER_ID)
