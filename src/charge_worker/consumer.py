@@ -330,7 +330,8 @@ class _Heartbeat:
     def _beat(self) -> None:
         if self.loop.time() >= self.deadline:
             return
-        self.sending = self.loop.create_task(self._send())
+        if self.sending is None or self.sending.done():  # one `+WPI` in flight at a time
+            self.sending = self.loop.create_task(self._send())
         self.timer = self.loop.call_later(self.interval_s, self._beat)
 
     async def _send(self) -> None:

@@ -9,7 +9,7 @@ Kinds, and who writes them:
 | `gateway_call` | worker     | attempt, call number (written with the call's ledger update)  |
 | `delivery`     | worker     | stream seq, delivery, attempt, taken over from, scoring,       |
 |                |            | lookup, gateway answer, outcome, action, delay, error         |
-|                |            | (a final one is written with the settle's ledger update)      |
+|                |            | (one settled by an answer or a block: with the settle itself) |
 | `republished`  | reconcile  | why, stream seq                                               |
 | `resolved`     | reconcile  | what a lookup found for an unknown outcome                    |
 | `refund`       | reconcile  | charge id, refund id, reason                                  |
@@ -17,8 +17,8 @@ Kinds, and who writes them:
 | `webhook`      | webhooks   | event id, type, charge id, revision, outcome, looked up       |
 
 Writing an event never decides anything: a failure to write one is logged and ignored. The
-exception is the `delivery` event of a final outcome, written by the settle statement itself:
-it stands or falls with the ledger update it describes.
+exceptions are the events written by the very statement they describe (`scheduled`,
+`gateway_call`, and `delivery` when it settles the charge): they stand or fall with it.
 """
 
 from __future__ import annotations

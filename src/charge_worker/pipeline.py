@@ -14,7 +14,7 @@ from typing import Literal
 
 import structlog
 
-from charge_worker.decisions import Ack, Action, Outcome, Result, describe, result_of
+from charge_worker.decisions import FINAL, Ack, Action, Outcome, Result, describe, result_of
 from charge_worker.errors import (
     ChargeWorkerError,
     GatewayRejected,
@@ -194,6 +194,7 @@ class Pipeline:
         `decide` acks every final outcome, so the event can say so before the ack is sent.
         """
         assert done.claim is not None
+        assert outcome in FINAL
         result = Result(outcome)
         story = delivery_story(done.delivery, done.claim, result, done.notes, Ack())
         await self.ledger.settle(

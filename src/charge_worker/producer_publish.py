@@ -83,9 +83,10 @@ async def publish_scheduled(
 ) -> None:
     """Publish every `scheduled` row not published yet, oldest first, counting into `summary`.
 
-    A publish that fails for the whole retry horizon ends the step: the broker stores
-    nothing, and each further row would wait as long. The rest stay `scheduled` for the
-    next run and are counted as `abandoned`.
+    A publish that fails for the whole retry horizon ends the step after its window: the
+    broker stores nothing, and each further row would wait as long. The window's failures
+    are counted as `failed`, the rows after it as `abandoned`; all stay `scheduled` for
+    the next run.
     """
     ticker = Ticker("charges published", progress)
     cursor: tuple[dt.datetime, dt.date, int] = _FIRST
@@ -109,16 +110,18 @@ async def publish_scheduled(
                 for c, a in zip(charges, answers, strict=True)
                 if isinstance(a, BaseException)
             ]
-            if failures:
-                charge, error = failures[0]
-                if not isinstance(error, DependencyUnavailable):
-                    raise error
-                summary.failed.append(Problem(charge.subscription_id, charge.key, str(error)))
-                left = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
-                summary.abandoned = left - 1  # every unpublished row after `cursor` but this one
-                return
             last = window[-1]
             cursor = (last["created_at"], last["billing_period"], last["order_id"])
+            if failures:
+                for _, error in failures:
+                    if not isinstance(error, DependencyUnavailable):
+                        raise error
+                summary.failed += [
+                    Problem(charge.subscription_id, charge.key, str(error))
+                    for charge, error in failures
+                ]
+                summary.abandoned = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
+                return
 
 
 async def _mark_published(conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck]]) -> None:

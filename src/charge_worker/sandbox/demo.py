@@ -27,7 +27,7 @@ import httpx
 import nats.errors
 from nats.js import JetStreamContext
 
-from charge_worker import streams
+from charge_worker import event_loop, streams
 from charge_worker.migrate import migrate
 from charge_worker.sandbox import demo_report as report
 from charge_worker.sandbox.demo_progress import await_settled, scrape_when_counted
@@ -222,7 +222,7 @@ def run_demo(*, keep: bool = False) -> None:
         settings = demo_settings(
             nats_url, database_url, gateway.url, scoring.url, external=external
         )
-        problems = asyncio.run(_story(settings, external=external, keep=keep))
+        problems = event_loop.run(_story(settings, external=external, keep=keep))
         if problems:
             click.secho(f"==> the demo found problems: {'; '.join(problems)}", fg="red", bold=True)
         else:
@@ -231,7 +231,7 @@ def run_demo(*, keep: bool = False) -> None:
             click.echo(f"servers keep running: NATS {nats_url}, PostgreSQL {database_url},")
             click.echo(f"gateway {gateway.url}, scoring {scoring.url}; press Ctrl-C to stop")
             with contextlib.suppress(KeyboardInterrupt):
-                asyncio.run(asyncio.Event().wait())
+                event_loop.run(asyncio.Event().wait())
     embedded = not (os.environ.get("NATS_URL") and os.environ.get("DATABASE_URL"))
     _step("done; embedded servers stopped and their data removed" if embedded else "done")
     if problems:
