@@ -29,6 +29,7 @@ from tests.chaos.scenarios import Scenario
 EXPLAIN_AT_MOST = 5
 MIN_ATTACKS = 2  # the fault phase lasts until every nemesis struck this often
 RECONCILE_EVERY_S = 5.0
+PRODUCE_WITHIN_S = 600.0  # the producer's runs may fail (faults) for this long in all
 
 
 class NotQuiet(AssertionError):
@@ -170,14 +171,25 @@ async def _attack_and_judge(
 
 
 async def _produce(system: Cluster) -> None:
-    """`charge-worker produce` until it exits 0, like a CronJob with retries."""
-    for attempt in range(1, 11):
+    """`charge-worker produce` until it exits 0, like a CronJob with retries.
+
+    Bounded in time, not tries: under a nats-server restart every few seconds each run gets
+    a few seconds of work done (what it published stays published) before its connection
+    is lost, and a large manifest needs many such runs.
+    """
+    deadline, attempt = time.monotonic() + PRODUCE_WITHIN_S, 0
+    while True:
+        attempt += 1
         done = await system.command("produce", "--date", generator.PERIOD.isoformat(), "--json")
         system.chronicle("producer", f"attempt {attempt}: exit {done.returncode}")
         if done.returncode == 0:
             return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"produce kept failing for {PRODUCE_WITHIN_S:g}s ({attempt} runs); the last:"
+                f" stdout {done.stdout[-1500:]!r} stderr {done.stderr[-1500:]!r}"
+            )
         await asyncio.sleep(1.0)
-    raise AssertionError(f"produce kept failing: {done.stderr[-1000:]}")
 
 
 async def _purge(system: Cluster, nc: Client, fraction: float, rng: random.Random) -> None:
