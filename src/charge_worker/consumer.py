@@ -42,7 +42,7 @@ from charge_worker.http import open_for_s
 from charge_worker.ledger import Ledger
 from charge_worker.messages import parse
 from charge_worker.metrics import Metrics
-from charge_worker.pipeline import Delivery, Pipeline, Processed, delivery_story
+from charge_worker.pipeline import Delivery, Pipeline, Processed
 from charge_worker.settings import Settings
 
 log = structlog.get_logger("charge_worker.consumer")
@@ -163,7 +163,7 @@ class Consumer:
         )
         action = await self._settle(msg, delivery, processed, action)
         self._account(delivery, processed, action, time.monotonic() - fetched_at)
-        await self._record(delivery, processed, action)
+        await self._record(processed, action)
 
     async def _settle(
         self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
@@ -269,12 +269,11 @@ class Consumer:
             )
             self.metrics.dead_letters.labels("max_deliveries").inc()
 
-    async def _record(self, delivery: Delivery, processed: Processed, action: Action) -> None:
+    async def _record(self, processed: Processed, action: Action) -> None:
         """Append this delivery to the charge's story (a final one went with the settle)."""
         charge = processed.charge
         if charge is None or processed.recorded:  # a poison message has no charge
             return
-        story = delivery_story(delivery, processed.claim, processed.result, processed.notes, action)
         try:
             await events.record(
                 self.ledger.pool,
@@ -282,7 +281,7 @@ class Consumer:
                 charge.billing_period,
                 "delivery",
                 self.pipeline.owner,
-                **story,
+                **processed.story(action),
             )
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
             log.warning("events.write_failed", error=repr(error))

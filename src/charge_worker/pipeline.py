@@ -54,25 +54,19 @@ class Processed:
     notes: dict[str, object] = field(default_factory=dict)
     recorded: bool = False  # the `delivery` event was written with the settle
 
-
-def delivery_story(
-    delivery: Delivery,
-    claim: Claim | None,
-    result: Result,
-    notes: dict[str, object],
-    action: Action,
-) -> dict[str, object]:
-    """The `delivery` event: what one delivery came to and what JetStream was told."""
-    return {
-        "stream_seq": delivery.stream_seq,
-        "delivery": delivery.num_delivered,
-        "attempt": claim.attempt if claim else None,
-        "taken_from": claim.taken_from if claim else None,
-        "outcome": result.outcome.value,
-        "error": result.error,
-        **notes,
-        **describe(action),
-    }
+    def story(self, action: Action) -> dict[str, object]:
+        """The `delivery` event: what this delivery came to and what JetStream was told."""
+        claim = self.claim
+        return {
+            "stream_seq": self.delivery.stream_seq,
+            "delivery": self.delivery.num_delivered,
+            "attempt": claim.attempt if claim else None,
+            "taken_from": claim.taken_from if claim else None,
+            "outcome": self.result.outcome.value,
+            "error": self.result.error,
+            **self.notes,
+            **describe(action),
+        }
 
 
 class Pipeline:
@@ -195,13 +189,13 @@ class Pipeline:
         """
         assert done.claim is not None
         assert outcome in FINAL
-        result = Result(outcome)
-        story = delivery_story(done.delivery, done.claim, result, done.notes, Ack())
+        done.result = Result(outcome)
         await self.ledger.settle(
-            done.claim, status, charge_id=charge_id, error=error, scoring=scoring, story=story
-        )
+            done.claim, status, charge_id=charge_id, error=error, scoring=scoring,
+            story=done.story(Ack()),
+        )  # fmt: skip
         done.recorded = True
-        return result
+        return done.result
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
         done.notes["gateway"] = label

@@ -93,35 +93,37 @@ async def publish_scheduled(
     while rows := await conn.fetch(_UNPUBLISHED, *cursor, batch_size):
         for start in range(0, len(rows), WINDOW):
             window = rows[start : start + WINDOW]
-            charges = [ChargeDue.model_validate({"schema": SCHEMA, **dict(r)}) for r in window]
-            answers = await asyncio.gather(
-                *(_publish(js, cfg, charge) for charge in charges), return_exceptions=True
-            )
-            acked = [(c, a) for c, a in zip(charges, answers, strict=True) if isinstance(a, PubAck)]
-            await _mark_published(conn, acked)
-            for _, ack in acked:
+            acked, failed = await _publish_window(conn, js, cfg, window)
+            for ack in acked:
                 if ack.duplicate:
                     summary.deduplicated += 1
                 else:
                     summary.published += 1
                 ticker.tick()
-            failures = [
-                (c, a)
-                for c, a in zip(charges, answers, strict=True)
-                if isinstance(a, BaseException)
-            ]
             last = window[-1]
             cursor = (last["created_at"], last["billing_period"], last["order_id"])
-            if failures:
-                for _, error in failures:
-                    if not isinstance(error, DependencyUnavailable):
-                        raise error
-                summary.failed += [
-                    Problem(charge.subscription_id, charge.key, str(error))
-                    for charge, error in failures
-                ]
+            if failed:
+                summary.failed += failed
                 summary.abandoned = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
                 return
+
+
+async def _publish_window(
+    conn: asyncpg.Connection, js: JetStreamContext, cfg: NatsSettings, rows: list[asyncpg.Record]
+) -> tuple[list[PubAck], list[Problem]]:
+    """Publish the rows together and mark the acked ones: their acks, and what could not
+    be stored. Any other error is raised once the acked rows are marked."""
+    charges = [ChargeDue.model_validate({"schema": SCHEMA, **dict(r)}) for r in rows]
+    answers = await asyncio.gather(*(_publish(js, cfg, c) for c in charges), return_exceptions=True)
+    acked = [(c, a) for c, a in zip(charges, answers, strict=True) if isinstance(a, PubAck)]
+    await _mark_published(conn, acked)
+    failed = []
+    for charge, answer in zip(charges, answers, strict=True):
+        if isinstance(answer, DependencyUnavailable):
+            failed.append(Problem(charge.subscription_id, charge.key, str(answer)))
+        elif isinstance(answer, BaseException):
+            raise answer
+    return [ack for _, ack in acked], failed
 
 
 async def _mark_published(conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck]]) -> None:
