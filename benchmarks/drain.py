@@ -48,7 +48,7 @@ from benchmarks.processes import OTHER, STEAL, Child, CpuMeter, peak_rss_bytes, 
 from benchmarks.stack import Stack
 from benchmarks.stats import per_item_us, percentile, steady_rate
 from charge_worker import streams
-from charge_worker.sandbox.demo_workers import (
+from charge_worker.sandbox.demo.workers import (
     SERVER_VARS,
     Samples,
     WorkerProcess,

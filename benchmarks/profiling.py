@@ -182,8 +182,8 @@ async def profile_sample(bench: Bench, which: str) -> tuple[Drained, Profile]:
 def _run_worker() -> None:
     """What `charge-worker run` does: settings, logging, the worker until SIGTERM."""
     from charge_worker import event_loop, logs  # noqa: PLC0415  # the child only
-    from charge_worker.app import run_worker, stop_on_signals  # noqa: PLC0415
     from charge_worker.settings import load_settings  # noqa: PLC0415
+    from charge_worker.worker.run import run_worker, stop_on_signals  # noqa: PLC0415
 
     settings = load_settings()
     logs.configure(settings.log)

@@ -24,7 +24,7 @@ import httpx
 from benchmarks.processes import Child, python_argv, wait_until
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer, free_port
-from charge_worker.sandbox.gateway import GatewayConfig
+from charge_worker.sandbox.gateway.app import GatewayConfig
 from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.scoring import ScoringConfig
 

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 from charge_worker import streams
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
-from charge_worker.sandbox.gateway import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import DbSettings, NatsSettings

@@ -6,11 +6,7 @@ decorators keep `mypy --strict` honest and nested groups (`dlq list`) are native
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import datetime as dt
-import json
-import shutil
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -23,7 +19,6 @@ from charge_worker.errors import ChargeWorkerError
 from charge_worker.settings import Settings, load_settings
 
 T = TypeVar("T")
-REPLAY_PROGRESS_FROM = 20  # dead letters; fewer replay too fast for a bar to help
 
 
 class _Group(click.Group):
@@ -84,29 +79,9 @@ def provision(apply: bool) -> None:
     Existing ones with another configuration are reported, not changed, unless --apply.
     Exits 3 when a difference remains.
     """
-    from charge_worker import streams  # noqa: PLC0415
+    from charge_worker.admin import provision_command  # noqa: PLC0415
 
-    settings = _settings()
-
-    async def go() -> bool:
-        nc = await streams.connect(settings.nats, name="charge-worker-provision", reconnect=False)
-        try:
-            report = await streams.provision(nc.jetstream(), settings.nats, apply=apply)
-        finally:
-            await nc.close()
-        for line in report.created:
-            click.echo(f"created {line}")
-        for line in report.updated:
-            click.echo(f"updated {line}")
-        for drift in report.drift:
-            click.echo(f"differs: {drift}", err=True)
-        clean = not report.drift or (apply and all(d.changeable for d in report.drift))
-        if clean:
-            click.echo("streams and consumer match the configuration")
-        return clean
-
-    if not _run(go()):
-        raise SystemExit(3)
+    raise SystemExit(_run(provision_command(_settings(), apply=apply)))
 
 
 @main.command()
@@ -116,16 +91,9 @@ def run() -> None:
     On SIGTERM: stop fetching, finish in-flight work within CHARGE_WORKER_DRAIN_S, leave the
     rest un-acked for redelivery, exit 0.
     """
-    from charge_worker.app import run_worker, stop_on_signals  # noqa: PLC0415
+    from charge_worker.worker import run_command  # noqa: PLC0415
 
-    settings = _settings()
-
-    async def go() -> None:
-        stop = asyncio.Event()
-        with stop_on_signals(stop):
-            await run_worker(settings, stop)
-
-    _run(go())
+    raise SystemExit(_run(run_command(_settings())))
 
 
 @main.command()
@@ -266,27 +234,9 @@ def dlq_list(reason: str | None, limit: int, as_json: bool) -> None:
     order_id and billing_period when the body is JSON with them (else -), and Dlq-Error cut
     to the terminal's width.
     """
-    from charge_worker.dlq import DeadLetterPage, opened, table  # noqa: PLC0415
+    from charge_worker.admin import list_command  # noqa: PLC0415
 
-    settings = _settings()
-
-    async def go() -> DeadLetterPage:
-        async with opened(settings.nats) as dead_letters:
-            return await dead_letters.summaries(reason=reason, limit=limit)
-
-    page = _run(go())
-    if not page.items:
-        # stderr under --json, so that stdout stays valid JSON lines (none)
-        click.echo("no dead letters" + (f" with reason {reason}" if reason else ""), err=as_json)
-        return
-    if as_json:
-        lines = [json.dumps(dataclasses.asdict(row), ensure_ascii=False) for row in page.items]
-    else:
-        lines = table(page.items, width=shutil.get_terminal_size((200, 24)).columns)
-    for line in lines:
-        click.echo(line)
-    if page.more:
-        click.echo(f"more dead letters match than the {limit} shown (--limit)", err=True)
+    raise SystemExit(_run(list_command(_settings(), reason=reason, limit=limit, as_json=as_json)))
 
 
 @dlq.command("show")
@@ -298,22 +248,9 @@ def dlq_show(seq: int) -> None:
     replay always sends the stored bytes, never this rendering. Exits 1 when SEQ is not in
     the dead-letter stream.
     """
-    from charge_worker.dlq import DeadLetter, opened  # noqa: PLC0415
+    from charge_worker.admin import show_command  # noqa: PLC0415
 
-    settings = _settings()
-
-    async def go() -> DeadLetter | None:
-        async with opened(settings.nats) as dead_letters:
-            return await dead_letters.get(seq)
-
-    letter = _run(go())
-    if letter is None:
-        stream = settings.nats.dlq_stream
-        raise click.ClickException(f"no dead letter with sequence {seq} in {stream}")
-    for name, value in letter.headers.items():
-        click.echo(f"{name}: {value}")
-    click.echo()
-    click.echo(letter.pretty_body())
+    raise SystemExit(_run(show_command(_settings(), seq)))
 
 
 @dlq.command("replay")
@@ -333,7 +270,8 @@ def dlq_replay(seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool
     until they age out. Replaying never charges twice: the charge_attempts claim allows at
     most one charge per (order_id, billing_period).
     """
-    from charge_worker.dlq import ReplayReport, opened  # noqa: PLC0415
+    from charge_worker.admin import replay_command  # noqa: PLC0415
+    from charge_worker.admin.dlq import select  # noqa: PLC0415
 
     if bool(seqs) == every:
         raise click.UsageError("give the dead letters' sequences or --all, not both")
@@ -342,28 +280,14 @@ def dlq_replay(seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool
     if not yes and not (sys.stdin and sys.stdin.isatty()):  # None when fd 0 is closed
         raise click.ClickException("stdin is not a terminal to confirm on; pass --yes to replay")
     settings = _settings()
-    subject = settings.nats.subject
-
-    async def select() -> list[int]:
-        async with opened(settings.nats) as dead_letters:
-            return await dead_letters.seqs(reason)
-
-    chosen = _run(select()) if every else list(dict.fromkeys(seqs))
+    chosen = _run(select(settings, reason)) if every else list(dict.fromkeys(seqs))
     if not chosen:
         click.echo("no dead letters to replay")
         return
     if not yes:  # outside the event loop: a slow answer must not stall the NATS connection
         noun = "dead letter" if len(chosen) == 1 else "dead letters"
-        click.confirm(f"Replay {len(chosen)} {noun} to {subject}?", abort=True)
-
-    async def replay() -> ReplayReport:
-        async with opened(settings.nats) as dead_letters:
-            if len(chosen) < REPLAY_PROGRESS_FROM:
-                return await dead_letters.replay(chosen)
-            with click.progressbar(length=len(chosen), label="replaying", file=sys.stderr) as bar:
-                return await dead_letters.replay(chosen, on_each=lambda *_: bar.update(1))
-
-    click.echo(_run(replay()).summary())
+        click.confirm(f"Replay {len(chosen)} {noun} to {settings.nats.subject}?", abort=True)
+    raise SystemExit(_run(replay_command(settings, chosen)))
 
 
 @main.group()

@@ -1,13 +1,19 @@
-"""The event loop every command runs on: uvloop's when it is installed, else asyncio's.
+"""The event loop every command runs on, the signals that stop it, and this process's name.
 
 uvloop (a dependency on Linux) runs the same asyncio code with the loop itself in C: in
 `make bench` the loop's own bookkeeping was the worker's largest CPU cost after HTTP.
+SIGTERM and SIGINT only set a stop event; each command decides what stopping means.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import contextlib
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -24,3 +30,21 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run`, on uvloop when it is installed."""
     with asyncio.Runner(loop_factory=LOOP_FACTORY) as runner:
         return runner.run(coro)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT set `stop` and do nothing else."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def process_name() -> str:
+    """This process as a lease owner: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

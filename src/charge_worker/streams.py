@@ -31,7 +31,7 @@ from charge_worker.settings import NatsSettings, require
 
 DLQ_DUPLICATE_WINDOW_S = 86400.0
 CONNECT_TIMEOUT_S = 5.0
-log = structlog.get_logger("charge_worker.streams")
+log = structlog.get_logger(__name__)
 # Fields JetStream refuses to change on an existing stream or consumer.
 _FIXED_STREAM_FIELDS = frozenset({"storage", "retention"})
 _FIXED_CONSUMER_FIELDS = frozenset({"ack_policy", "deliver_policy"})

@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client
 
-from charge_worker.sandbox.gateway import GatewayConfig
+from charge_worker.sandbox.gateway.app import GatewayConfig
 from charge_worker.sandbox.scoring import ScoringConfig
 from tests.chaos import checker, generator, nemesis
 from tests.chaos.cluster import Chronicle, Cluster, Completed, Servers, cluster, connect_direct

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from charge_worker.failpoints import POINTS
 from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY
+from charge_worker.worker.failpoints import POINTS
 from tests.chaos import nemesis
 from tests.chaos.cluster import FAILPOINT_DEATH
 from tests.chaos.nemesis import Nemesis

@@ -51,14 +51,14 @@ from hypothesis.stateful import (
 )
 from prometheus_client import CollectorRegistry
 
-from charge_worker.decisions import Ack, DeadLetter, Outcome, Requeue, decide
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown, RateLimited
 from charge_worker.gateway import ChargeResult, GatewayCharge
 from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
-from charge_worker.metrics import Metrics
-from charge_worker.pipeline import Delivery, Pipeline, Processed
 from charge_worker.scoring import ScoringFailure, Verdict
+from charge_worker.worker.decisions import Ack, DeadLetter, Outcome, Requeue, decide
+from charge_worker.worker.metrics import Metrics
+from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import pytest
 
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.webhook_signature import signed_headers
+from charge_worker.webhooks.signature import signed_headers
 from tests.integration.test_webhooks import (
     API_KEY,
     SECRET,

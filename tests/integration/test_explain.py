@@ -9,8 +9,8 @@ import pytest
 from nats.aio.client import Client
 
 from charge_worker.explain import explain_command
-from charge_worker.producer import produce
-from charge_worker.reconcile import run_reconcile
+from charge_worker.producer.schedule import produce
+from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from charge_worker.sandbox.gateway import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
 
 API_KEY = "sk_test_sandbox"

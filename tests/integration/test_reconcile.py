@@ -21,8 +21,8 @@ import pytest
 from nats.aio.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
-from charge_worker.reconcile import LOCK_KEY, reconcile_command, run_reconcile
-from charge_worker.reconcile_report import Counts
+from charge_worker.reconcile.report import Counts
+from charge_worker.reconcile.run import LOCK_KEY, reconcile_command, run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 

@@ -29,9 +29,9 @@ from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import DbSettings, GatewaySettings, Settings, WebhookSettings
-from charge_worker.webhook_processor import ProcessorTuning
-from charge_worker.webhook_signature import sign, signed_headers
-from charge_worker.webhooks import Receiving, run_webhooks
+from charge_worker.webhooks.processor import ProcessorTuning
+from charge_worker.webhooks.serve import Receiving, run_webhooks
+from charge_worker.webhooks.signature import sign, signed_headers
 from tests.integration.worker_harness import eventually, set_sim
 
 SECRET = "whsec_" + base64.b64encode(b"charge-worker tests: the current secret").decode()

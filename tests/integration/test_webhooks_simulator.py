@@ -18,11 +18,11 @@ from starlette.routing import Route
 
 from charge_worker.gateway import GatewayClient
 from charge_worker.ledger import Ledger
-from charge_worker.sandbox.gateway import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import GatewaySettings
-from charge_worker.webhook_receiver import parse_event
-from charge_worker.webhook_signature import Verifier, read_headers
+from charge_worker.webhooks.receiver import parse_event
+from charge_worker.webhooks.signature import Verifier, read_headers
 from tests.integration.test_webhooks import (
     API_KEY,
     OPEN,

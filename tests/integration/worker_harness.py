@@ -24,8 +24,6 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from charge_worker import streams
-from charge_worker.app import Running, run_worker
-from charge_worker.consumer import Consumer
 from charge_worker.settings import (
     DbSettings,
     GatewaySettings,
@@ -37,6 +35,8 @@ from charge_worker.settings import (
     WorkerSettings,
     env_name,
 )
+from charge_worker.worker.consumer import Consumer
+from charge_worker.worker.run import Running, run_worker
 
 PERIOD = dt.date(2026, 12, 1)
 WAIT_S = 60.0

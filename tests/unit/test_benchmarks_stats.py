@@ -179,8 +179,8 @@ def test_profile_groups() -> None:
     site = "/x/.venv/lib/python3.11/site-packages"
     assert package_of(f"{site}/httpx/_models.py", "encoding") == "httpx"
     assert (
-        package_of("/x/src/charge_worker/sandbox/gateway.py", "f")
-        == "charge_worker.sandbox.gateway"
+        package_of("/x/src/charge_worker/sandbox/gateway/app.py", "f")
+        == "charge_worker.sandbox.gateway.app"
     )
     assert (
         package_of("~", "<method 'poll' of 'select.epoll' objects>") == "event loop: epoll/select"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from charge_worker import errors
-from charge_worker.decisions import (
+from charge_worker.worker.decisions import (
     MAX_EXHAUSTIONS,
     Ack,
     Action,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from charge_worker.health import WEDGED_AFTER_S, Health
+from charge_worker.worker.health import WEDGED_AFTER_S, Health
 
 
 def health(last_tick: float) -> Health:

@@ -29,10 +29,10 @@ from nats.js import JetStreamContext
 
 from charge_worker import event_loop, streams
 from charge_worker.migrate import migrate
-from charge_worker.sandbox import demo_report as report
-from charge_worker.sandbox.demo_progress import await_settled, scrape_when_counted
-from charge_worker.sandbox.demo_samples import Published, publish_samples
-from charge_worker.sandbox.demo_workers import (
+from charge_worker.sandbox.demo import report
+from charge_worker.sandbox.demo.progress import await_settled, scrape_when_counted
+from charge_worker.sandbox.demo.samples import Published, publish_samples
+from charge_worker.sandbox.demo.workers import (
     WORKERS,
     DemoFailed,
     Samples,
@@ -41,7 +41,7 @@ from charge_worker.sandbox.demo_workers import (
     describe,
 )
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
-from charge_worker.sandbox.gateway import build_gateway_app
+from charge_worker.sandbox.gateway.app import build_gateway_app
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY, ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings

@@ -16,10 +16,10 @@ import structlog
 
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.ledger import DeferredChecks
-from charge_worker.metrics import Metrics
 from charge_worker.scoring import ScoringClient, ScoringFailure
+from charge_worker.worker.metrics import Metrics
 
-log = structlog.get_logger("charge_worker.checks")
+log = structlog.get_logger(__name__)
 BATCH = 50
 
 

@@ -14,21 +14,21 @@ from typing import Literal
 
 import structlog
 
-from charge_worker.decisions import FINAL, Ack, Action, Outcome, Result, describe, result_of
 from charge_worker.errors import (
     ChargeWorkerError,
     GatewayRejected,
     OutcomeUnknown,
     TransientError,
 )
-from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
 from charge_worker.ledger import Claim, FinalStatus, Ledger, Scoring
 from charge_worker.messages import ChargeDue, parse
-from charge_worker.metrics import Metrics
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
+from charge_worker.worker.decisions import FINAL, Ack, Action, Outcome, Result, describe, result_of
+from charge_worker.worker.failpoints import Failpoints
+from charge_worker.worker.metrics import Metrics
 
-log = structlog.get_logger("charge_worker.pipeline")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from charge_worker.sandbox.gateway_state import ChargeQuery, StoredResponse
+from charge_worker.sandbox.gateway.state import ChargeQuery, StoredResponse
 
 CURRENCY = re.compile(r"[A-Z]{3}")
 REFUND_REASONS = frozenset({"duplicate", "fraudulent", "requested_by_customer"})

@@ -31,11 +31,11 @@ from pydantic import ValidationError
 from charge_worker import streams
 from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
-from charge_worker.producer_publish import ACTOR, BATCH, publish_scheduled
-from charge_worker.producer_summary import Problem, Progress, Summary, Ticker
+from charge_worker.producer.publish import ACTOR, BATCH, publish_scheduled
+from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import DbSettings, Settings, require
 
-log = structlog.get_logger("charge_worker.producer")
+log = structlog.get_logger(__name__)
 
 # Keyset on subscription_id: a row refused in this run is not taken again by the next batch.
 _DUE = """

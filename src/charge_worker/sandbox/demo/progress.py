@@ -16,9 +16,9 @@ import click
 import httpx
 from nats.js import JetStreamContext
 
-from charge_worker.sandbox.demo_report import FINAL, LedgerRow, ledger_rows
-from charge_worker.sandbox.demo_samples import Published
-from charge_worker.sandbox.demo_workers import Samples, WorkerProcess, metric
+from charge_worker.sandbox.demo.report import FINAL, LedgerRow, ledger_rows
+from charge_worker.sandbox.demo.samples import Published
+from charge_worker.sandbox.demo.workers import Samples, WorkerProcess, metric
 from charge_worker.settings import NatsSettings
 
 PROGRESS_EVERY_S = 5.0

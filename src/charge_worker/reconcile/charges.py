@@ -15,9 +15,9 @@ import asyncpg
 from charge_worker.errors import PermanentError
 from charge_worker.gateway import GatewayCharge
 from charge_worker.messages import idempotency_key
-from charge_worker.reconcile_history import History, patiently
-from charge_worker.reconcile_report import Finding
-from charge_worker.reconcile_sweeps import CHARGED, Key, Sweeper
+from charge_worker.reconcile.history import History, patiently
+from charge_worker.reconcile.report import Finding
+from charge_worker.reconcile.sweeps import CHARGED, Key, Sweeper
 
 _ROW = """
 SELECT status, gateway_charge_id, attempt, (lease_until IS NULL OR lease_until < now()) AS free

@@ -23,8 +23,8 @@ from asyncpg.pool import PoolConnectionProxy
 from charge_worker import events
 from charge_worker.errors import ChargeWorkerError, LeaseHeld
 from charge_worker.ledger import _translated
-from charge_worker.webhook_metrics import OPEN_STATUSES
-from charge_worker.webhook_rules import (
+from charge_worker.webhooks.metrics import OPEN_STATUSES
+from charge_worker.webhooks.rules import (
     Apply,
     Decision,
     Review,
@@ -35,9 +35,9 @@ from charge_worker.webhook_rules import (
     Wait,
     decide,
 )
-from charge_worker.webhook_signature import MalformedDelivery
+from charge_worker.webhooks.signature import MalformedDelivery
 
-log = structlog.get_logger("charge_worker.webhooks")
+log = structlog.get_logger(__name__)
 ACTOR = "webhooks"
 
 _JOURNAL = """

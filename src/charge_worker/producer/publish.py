@@ -26,7 +26,7 @@ from nats.js.api import PubAck
 from charge_worker import events
 from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
-from charge_worker.producer_summary import Problem, Progress, Summary, Ticker
+from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import NatsSettings
 
 ACTOR = "producer"
@@ -35,7 +35,7 @@ WINDOW = 100  # publishes awaiting their acks at once
 PUBLISH_TIMEOUT_S = 5.0
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 5.0
-log = structlog.get_logger("charge_worker.producer")
+log = structlog.get_logger(__name__)
 
 # Keyset on the sort order: rows another run publishes meanwhile, or a worker claims, drop
 # out; no row is read twice. A row written by hand may lack due_at: the contract's default.

@@ -7,16 +7,16 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from charge_worker.errors import SettingsError
+from charge_worker.sandbox.gateway.webhooks import CONTRACT_RETRY_SCHEDULE_S
 from charge_worker.sandbox.latency import LatencyModel
-from charge_worker.sandbox.webhook_delivery import CONTRACT_RETRY_SCHEDULE_S
-from charge_worker.webhook_signature import check_secret
+from charge_worker.webhooks.signature import check_secret
 
 # public, like the sandbox API key sk_test_sandbox
 SANDBOX_WEBHOOK_SECRET = "whsec_Y2hhcmdlLXdvcmtlci1zYW5kYm94LXdlYmhvb2tz"  # noqa: S105
 
 
 class GatewayConfig(BaseModel):
-    """The gateway simulator's knobs (see `charge_worker.sandbox.gateway`)."""
+    """The gateway simulator's knobs (see `charge_worker.sandbox.gateway.app`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

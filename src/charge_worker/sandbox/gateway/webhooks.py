@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from charge_worker.webhook_signature import signed_headers
+from charge_worker.webhooks.signature import signed_headers
 
 # again at once, 30 s, 3 min, then growing gaps: 246 810 s in all, within the 3 days
 CONTRACT_RETRY_SCHEDULE_S = (0.0, 30.0, 180.0, 1800.0, 7200.0, 21600.0, 43200.0, 86400.0, 86400.0)

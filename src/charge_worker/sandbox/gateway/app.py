@@ -64,8 +64,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from charge_worker.sandbox.gateway_config import GatewayConfig
-from charge_worker.sandbox.gateway_requests import (
+from charge_worker.sandbox.gateway.config import GatewayConfig
+from charge_worker.sandbox.gateway.requests import (
     ChargeParams,
     InvalidRequest,
     answer,
@@ -77,7 +77,7 @@ from charge_worker.sandbox.gateway_requests import (
     parse_refund,
     rejected,
 )
-from charge_worker.sandbox.gateway_state import (
+from charge_worker.sandbox.gateway.state import (
     Charge,
     ChargeBook,
     Claimed,
@@ -88,8 +88,8 @@ from charge_worker.sandbox.gateway_state import (
     Replay,
     StoredResponse,
 )
+from charge_worker.sandbox.gateway.webhooks import WebhookDelivery
 from charge_worker.sandbox.simulator import Simulator, pause, read_json
-from charge_worker.sandbox.webhook_delivery import WebhookDelivery
 
 __all__ = [  # GatewayConfig lives in gateway_config.py; callers import it from here
     "DECLINE_PREFIX", "ChargeEvents", "GatewayConfig", "GatewaySimulator", "NoEvents",

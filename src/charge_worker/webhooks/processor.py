@@ -27,11 +27,11 @@ import structlog
 
 from charge_worker.errors import ChargeWorkerError, LeaseHeld, TransientError
 from charge_worker.gateway import GatewayCharge
-from charge_worker.webhook_inbox import Inbox, Job, status_of
-from charge_worker.webhook_metrics import WebhookMetrics
-from charge_worker.webhook_rules import Apply, Decision, Review, Wait
+from charge_worker.webhooks.inbox import Inbox, Job, status_of
+from charge_worker.webhooks.metrics import WebhookMetrics
+from charge_worker.webhooks.rules import Apply, Decision, Review, Wait
 
-log = structlog.get_logger("charge_worker.webhooks")
+log = structlog.get_logger(__name__)
 LEASE_USE = 0.8  # of a batch's lease, before the rest of the batch is handed back
 
 

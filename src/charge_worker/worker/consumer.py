@@ -24,7 +24,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from charge_worker import events
-from charge_worker.decisions import (
+from charge_worker.dlq import DeadLetters
+from charge_worker.errors import ChargeWorkerError, PoisonMessage
+from charge_worker.gateway import GatewayClient
+from charge_worker.http import open_for_s
+from charge_worker.ledger import Ledger
+from charge_worker.messages import parse
+from charge_worker.settings import Settings
+from charge_worker.worker.decisions import (
     EXHAUSTED_HEADER,
     Action,
     DeadLetter,
@@ -35,17 +42,10 @@ from charge_worker.decisions import (
     decide,
     describe,
 )
-from charge_worker.dlq import DeadLetters
-from charge_worker.errors import ChargeWorkerError, PoisonMessage
-from charge_worker.gateway import GatewayClient
-from charge_worker.http import open_for_s
-from charge_worker.ledger import Ledger
-from charge_worker.messages import parse
-from charge_worker.metrics import Metrics
-from charge_worker.pipeline import Delivery, Pipeline, Processed
-from charge_worker.settings import Settings
+from charge_worker.worker.metrics import Metrics
+from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
-log = structlog.get_logger("charge_worker.consumer")
+log = structlog.get_logger(__name__)
 RECONNECT_PAUSE_S = 0.5
 
 

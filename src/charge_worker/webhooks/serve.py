@@ -28,18 +28,18 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from charge_worker.app import stop_on_signals, worker_id
+from charge_worker import event_loop
 from charge_worker.gateway import GatewayClient
-from charge_worker.health import DB_PROBE_TIMEOUT_S, WEDGED_AFTER_S, Server, listen
 from charge_worker.ledger import create_pool
 from charge_worker.settings import Settings
-from charge_worker.webhook_inbox import Inbox
-from charge_worker.webhook_metrics import WebhookMetrics
-from charge_worker.webhook_processor import Processor, ProcessorTuning
-from charge_worker.webhook_receiver import receiver
-from charge_worker.webhook_signature import Verifier
+from charge_worker.webhooks.inbox import Inbox
+from charge_worker.webhooks.metrics import WebhookMetrics
+from charge_worker.webhooks.processor import Processor, ProcessorTuning
+from charge_worker.webhooks.receiver import receiver
+from charge_worker.webhooks.signature import Verifier
+from charge_worker.worker.health import DB_PROBE_TIMEOUT_S, WEDGED_AFTER_S, Server, listen
 
-log = structlog.get_logger("charge_worker.webhooks")
+log = structlog.get_logger(__name__)
 SOURCE = "gateway"
 PROCESSOR_POOL_MAX = 3
 
@@ -55,7 +55,7 @@ class Receiving:
 async def serve_command(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT; 0 after a clean stop."""
     stop = asyncio.Event()
-    with stop_on_signals(stop):
+    with event_loop.stop_on_signals(stop):
         await run_webhooks(settings, stop)
     return 0
 
@@ -71,7 +71,7 @@ async def run_webhooks(
     """Receive and process webhooks until `stop` is set."""
     cfg = settings.webhooks
     verifier = Verifier.from_settings(cfg)  # no secret, no start
-    owner = worker_id()
+    owner = event_loop.process_name()
     metrics = WebhookMetrics(registry or CollectorRegistry(), source=SOURCE)
     async with contextlib.AsyncExitStack() as resources:
         listener = resources.enter_context(

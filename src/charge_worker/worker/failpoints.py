@@ -13,6 +13,8 @@ import random
 import signal
 from dataclasses import dataclass
 
+from charge_worker.errors import SettingsError
+
 POINTS = frozenset(
     {
         "after_claim",
@@ -58,7 +60,10 @@ def parse(spec: str) -> dict[str, _Point]:
 
 class Failpoints:
     def __init__(self, spec: str = "", *, seed: int | None = None) -> None:
-        self.points = parse(spec)
+        try:
+            self.points = parse(spec)
+        except ValueError as error:
+            raise SettingsError(f"CHARGE_WORKER_FAILPOINTS: {error}") from error
         self.rng = random.Random(seed)  # noqa: S311  # chaos, not secrets
 
     def hit(self, name: str) -> None:

@@ -35,10 +35,10 @@ from charge_worker.errors import (
     TransientError,
 )
 from charge_worker.gateway import GatewayClient
-from charge_worker.reconcile_charges import discrepancies, double_charges
-from charge_worker.reconcile_history import fetch_history
-from charge_worker.reconcile_report import Report, table, to_json, write_metrics
-from charge_worker.reconcile_sweeps import Sweeper, lost_messages, unknown_outcomes
+from charge_worker.reconcile.charges import discrepancies, double_charges
+from charge_worker.reconcile.history import fetch_history
+from charge_worker.reconcile.report import Report, table, to_json, write_metrics
+from charge_worker.reconcile.sweeps import Sweeper, lost_messages, unknown_outcomes
 from charge_worker.settings import DbSettings, NatsSettings, Settings, require
 
 # Any constant of reconcile's own; "reconcil" in ASCII (migrate.py's is "charge-w").

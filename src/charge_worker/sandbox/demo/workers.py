@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings
 
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.sandbox.embedded import free_port
-from charge_worker.sandbox.gateway import GatewayConfig
+from charge_worker.sandbox.gateway.app import GatewayConfig
 from charge_worker.settings import (
     ENV_PREFIX,
     DbSettings,

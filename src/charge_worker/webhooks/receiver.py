@@ -31,9 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from charge_worker.errors import DependencyUnavailable
-from charge_worker.webhook_inbox import Entry, Inbox
-from charge_worker.webhook_metrics import WebhookMetrics
-from charge_worker.webhook_signature import (
+from charge_worker.webhooks.inbox import Entry, Inbox
+from charge_worker.webhooks.metrics import WebhookMetrics
+from charge_worker.webhooks.signature import (
     DeliveryRejected,
     DeliveryTooLarge,
     MalformedDelivery,
@@ -41,7 +41,7 @@ from charge_worker.webhook_signature import (
     read_headers,
 )
 
-log = structlog.get_logger("charge_worker.webhooks")
+log = structlog.get_logger(__name__)
 JOURNAL_BUDGET_S = 3.0  # the gateway gives up on an answer after 5 s
 Id = Annotated[str, Field(min_length=1, max_length=255)]
 

@@ -39,13 +39,13 @@ from charge_worker.errors import (
 )
 from charge_worker.gateway import GatewayCharge, GatewayClient
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
-from charge_worker.reconcile_history import patiently
-from charge_worker.reconcile_report import Finding, Report, Sweep
+from charge_worker.reconcile.history import patiently
+from charge_worker.reconcile.report import Finding, Report, Sweep
 
 ACTOR = "reconcile"
 PROGRESS_EVERY = 100  # rows
 CHARGED = frozenset({"succeeded", "refunded"})
-log = structlog.get_logger("charge_worker.reconcile")
+log = structlog.get_logger(__name__)
 Key = tuple[int, dt.date]
 
 # The state and fence read before, and no live lease: a worker that took the row wins.

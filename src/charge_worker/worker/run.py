@@ -7,12 +7,7 @@ SIGTERM and SIGINT only set the stop event; the consumer decides what stopping m
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import socket
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
@@ -21,38 +16,21 @@ import uvicorn
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
-from charge_worker import streams
-from charge_worker.checks import BATCH, rescore_deferred
-from charge_worker.consumer import Consumer
+from charge_worker import event_loop, streams
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
-from charge_worker.failpoints import Failpoints
 from charge_worker.gateway import GatewayClient
-from charge_worker.health import Health, Server, http_app, listen, report_consumer_stats
 from charge_worker.ledger import DeferredChecks, Ledger, create_pool
-from charge_worker.metrics import Metrics
-from charge_worker.pipeline import Pipeline
 from charge_worker.scoring import ScoringClient
 from charge_worker.settings import Settings
+from charge_worker.worker.consumer import Consumer
+from charge_worker.worker.failpoints import Failpoints
+from charge_worker.worker.health import Health, Server, http_app, listen, report_consumer_stats
+from charge_worker.worker.metrics import Metrics
+from charge_worker.worker.pipeline import Pipeline
+from charge_worker.worker.rescoring import BATCH, rescore_deferred
 
-log = structlog.get_logger("charge_worker.app")
-
-
-def worker_id() -> str:
-    """This process's lease owner name: host, pid and a random suffix."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+log = structlog.get_logger(__name__)
 
 
 def _log_failures(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
@@ -81,10 +59,11 @@ async def run_worker(
     on_ready: Callable[[Running], None] = lambda _r: None,
 ) -> None:
     """Run one worker until `stop` is set."""
+    failpoints = Failpoints(settings.worker.failpoints)  # a bad spec fails before connecting
     listener = listen(
         settings.http.http_host, settings.http.metrics_port, setting="CHARGE_WORKER_METRICS_PORT"
     )
-    owner = worker_id()
+    owner = event_loop.process_name()
     structlog.contextvars.bind_contextvars(worker=owner)
     nc = await streams.connect(settings.nats, name=f"charge-worker {owner}")
     js = nc.jetstream()
@@ -105,7 +84,7 @@ async def run_worker(
         scoring,
         owner=owner,
         metrics=metrics,
-        failpoints=Failpoints(settings.worker.failpoints),
+        failpoints=failpoints,
     )
     consumer = Consumer(
         settings,
@@ -159,3 +138,11 @@ async def run_worker(
         await pool.close()
         await nc.drain()
         log.info("worker.stopped")
+
+
+async def run_command(settings: Settings) -> int:
+    """`charge-worker run`: until SIGTERM or SIGINT; 0 after a clean stop."""
+    stop = asyncio.Event()
+    with event_loop.stop_on_signals(stop):
+        await run_worker(settings, stop)
+    return 0

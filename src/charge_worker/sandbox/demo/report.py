@@ -21,9 +21,9 @@ import httpx
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from charge_worker.decisions import Outcome
-from charge_worker.sandbox.demo_samples import Published
-from charge_worker.sandbox.demo_workers import Samples, metric
+from charge_worker.sandbox.demo.samples import Published
+from charge_worker.sandbox.demo.workers import Samples, metric
+from charge_worker.worker.decisions import Outcome
 
 FINAL = frozenset({"succeeded", "declined", "blocked", "failed", "refunded"})
 CHARGED = frozenset({"succeeded", "refunded"})  # a refunded charge was made all the same

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from charge_worker.metrics import PREFIX
+from charge_worker.worker.metrics import PREFIX
 
 OPEN_STATUSES = ("received", "processing", "awaiting_dependency", "needs_review")
 FINAL_STATUSES = ("applied", "stale", "needs_review")

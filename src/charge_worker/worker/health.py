@@ -27,8 +27,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from charge_worker.errors import SettingsError
-from charge_worker.metrics import Metrics
 from charge_worker.settings import NatsSettings
+from charge_worker.worker.metrics import Metrics
 
 WEDGED_AFTER_S = 60.0
 DB_PROBE_TIMEOUT_S = 2.0

@@ -1,0 +1,72 @@
+"""`charge-worker dlq list | show | replay`: the dead letters kept in `CHARGES_DLQ`.
+
+Each command prints its result and returns the exit code; the dead letters themselves are
+never changed or deleted here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+
+import click
+
+from charge_worker.dlq import opened, table
+from charge_worker.settings import Settings
+
+REPLAY_PROGRESS_FROM = 20  # dead letters; fewer replay too fast for a bar to help
+
+
+async def list_command(settings: Settings, *, reason: str | None, limit: int, as_json: bool) -> int:
+    """Dead letters, oldest first, one line each (one JSON object each with `as_json`)."""
+    async with opened(settings.nats) as dead_letters:
+        page = await dead_letters.summaries(reason=reason, limit=limit)
+    if not page.items:
+        # stderr under --json, so that stdout stays valid JSON lines (none)
+        click.echo("no dead letters" + (f" with reason {reason}" if reason else ""), err=as_json)
+        return 0
+    if as_json:
+        lines = [json.dumps(dataclasses.asdict(row), ensure_ascii=False) for row in page.items]
+    else:
+        lines = table(page.items, width=shutil.get_terminal_size((200, 24)).columns)
+    for line in lines:
+        click.echo(line)
+    if page.more:
+        click.echo(f"more dead letters match than the {limit} shown (--limit)", err=True)
+    return 0
+
+
+async def show_command(settings: Settings, seq: int) -> int:
+    """Every header, a blank line, then the body; 1 when `seq` is not a dead letter."""
+    async with opened(settings.nats) as dead_letters:
+        letter = await dead_letters.get(seq)
+    if letter is None:
+        click.echo(
+            f"Error: no dead letter with sequence {seq} in {settings.nats.dlq_stream}", err=True
+        )
+        return 1
+    for name, value in letter.headers.items():
+        click.echo(f"{name}: {value}")
+    click.echo()
+    click.echo(letter.pretty_body())
+    return 0
+
+
+async def select(settings: Settings, reason: str | None) -> list[int]:
+    """The sequences of every dead letter, or of those with `reason`."""
+    async with opened(settings.nats) as dead_letters:
+        return await dead_letters.seqs(reason)
+
+
+async def replay_command(settings: Settings, seqs: list[int]) -> int:
+    """Republish these dead letters' bodies to the charges subject; print what happened."""
+    async with opened(settings.nats) as dead_letters:
+        if len(seqs) < REPLAY_PROGRESS_FROM:
+            report = await dead_letters.replay(seqs)
+        else:
+            with click.progressbar(length=len(seqs), label="replaying", file=sys.stderr) as bar:
+                report = await dead_letters.replay(seqs, on_each=lambda *_: bar.update(1))
+    click.echo(report.summary())
+    return 0
