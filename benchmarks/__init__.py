@@ -1,4 +1,4 @@
-"""The benchmark harness behind `make bench` (issue 8): the worker against the bare pipeline.
+"""The benchmark harness behind `make bench`: the worker against the bare pipeline.
 
 One run starts the stack (embedded nats-server and PostgreSQL unless NATS_URL /
 DATABASE_URL are set; the gateway and scoring simulators as child processes) and measures,
@@ -11,7 +11,7 @@ each case several times (median, min, max):
 6. RSS after 10,000 charges and after as many more as fit the budget (`memory.py`);
 
 plus a cProfile of each at saturation (`profiling.py`). It prints a table, the ratios
-against the issue's targets (MET / MISSED), and writes `benchmarks/results/latest.json`.
+against the targets (MET / MISSED), and writes `benchmarks/results/latest.json`.
 How one sample is measured: `drain.py`; statistics: `stats.py`. Results and the reading of
 them: `docs/performance.md`.
 """

@@ -34,8 +34,8 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from charge_worker import event_loop
+from charge_worker.database import keep_session
 from charge_worker.http import build_client
-from charge_worker.ledger import keep_session
 
 DRAIN_S = 10.0
 OWNER = "bare-pipeline"
@@ -100,19 +100,33 @@ class BarePipeline:
             await msg.ack()
             self.done += 1
         except (  # the harness sees a failure as a message never acked
-            OSError, asyncpg.PostgresError, asyncpg.InterfaceError, httpx.HTTPError,
-            nats.errors.Error, KeyError, ValueError, AssertionError, TimeoutError,
-        ) as error:  # fmt: skip
+            OSError,
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            httpx.HTTPError,
+            nats.errors.Error,
+            KeyError,
+            ValueError,
+            AssertionError,
+            TimeoutError,
+        ) as error:
             self.failed += 1
             print(f"bare pipeline: {error!r}", file=sys.stderr, flush=True)
 
     # One method per round trip, so that a profile shows each step apart.
     async def _claim(self, charge: dict[str, Any], period: dt.date, key: str) -> None:
         await self.pool.execute(
-            CLAIM, charge["order_id"], period, key, charge["subscription_id"],
-            charge["customer_id"], charge["amount_minor"], charge["currency"],
-            dt.datetime.fromisoformat(charge["due_at"]), OWNER,
-        )  # fmt: skip
+            CLAIM,
+            charge["order_id"],
+            period,
+            key,
+            charge["subscription_id"],
+            charge["customer_id"],
+            charge["amount_minor"],
+            charge["currency"],
+            dt.datetime.fromisoformat(charge["due_at"]),
+            OWNER,
+        )
 
     async def _score(self, charge: dict[str, Any]) -> None:
         score = {

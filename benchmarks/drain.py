@@ -92,8 +92,11 @@ def worker_settings(stack: Stack, database_url: str, **worker: Any) -> Settings:
     scoring = {k: worker.pop(k) for k in list(worker) if k in ScoringSettings.model_fields}
     return Settings(
         nats=_defaults_only(
-            NatsSettings, url=stack.nats_url, stream=f"BENCH_{tag}",
-            subject=f"bench.{tag}.charges.due", dlq_stream=f"BENCH_{tag}_DLQ",
+            NatsSettings,
+            url=stack.nats_url,
+            stream=f"BENCH_{tag}",
+            subject=f"bench.{tag}.charges.due",
+            dlq_stream=f"BENCH_{tag}_DLQ",
             dlq_subject=f"bench.{tag}.charges.dlq",
         ),
         db=_defaults_only(DbSettings, url=database_url),
@@ -105,7 +108,7 @@ def worker_settings(stack: Stack, database_url: str, **worker: Any) -> Settings:
         reconcile=_defaults_only(ReconcileSettings),
         http=_defaults_only(HttpSettings, http_host="127.0.0.1", metrics_port=0),
         log=_defaults_only(LogSettings, log_format="json"),
-    )  # fmt: skip
+    )
 
 
 def child_env(settings: Settings, root: Path) -> dict[str, str]:
@@ -397,9 +400,13 @@ async def _measure(
         started = time.monotonic()
         await js.resume_consumer(cfg.stream, cfg.durable)
         series = await load.wait_acked(
-            js, cfg.stream, cfg.durable, plan.messages,
-            timeout_s=plan.timeout_s, on_progress=polled,
-        )  # fmt: skip
+            js,
+            cfg.stream,
+            cfg.durable,
+            plan.messages,
+            timeout_s=plan.timeout_s,
+            on_progress=polled,
+        )
         cpu = meter.stop()
     ended, done = series[-1] if series else (time.monotonic(), 0)
     return Drained(

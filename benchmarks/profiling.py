@@ -43,7 +43,7 @@ TRACE_FRAMES = 6
 # event loop (protocols parsing answers) are not under them.
 STEPS = {
     "worker": (
-        ("charge_worker/consumer.py", "_handle", "one delivery, whole (all below)"),
+        ("charge_worker/worker/consumer.py", "_handle", "one delivery, whole (all below)"),
         ("charge_worker/messages.py", "parse", "  parse + validate the message (pydantic)"),
         ("charge_worker/ledger.py", "claim", "  ledger claim (INSERT ... RETURNING)"),
         ("charge_worker/scoring.py", "score", "  scoring call (breaker, deadline, httpx)"),
@@ -51,10 +51,10 @@ STEPS = {
         ("charge_worker/gateway.py", "charge", "  gateway charge call (breaker, httpx)"),
         ("charge_worker/ledger.py", "settle", "  ledger settle + delivery event"),
         ("nats/aio/msg.py", "ack", "  ack"),
-        ("charge_worker/consumer.py", "_account", "  metrics + charge.settled log line"),
-        ("charge_worker/consumer.py", "_record", "  delivery event INSERT (not settled)"),
-        ("charge_worker/consumer.py", "__init__", "  heartbeat timer (start)"),
-        ("charge_worker/consumer.py", "run", "pull loop (fetch, spawn)"),
+        ("charge_worker/worker/consumer.py", "_account", "  metrics + charge.settled log line"),
+        ("charge_worker/ledger.py", "tell", "  delivery event INSERT (no ledger write)"),
+        ("charge_worker/worker/heartbeat.py", "__enter__", "  heartbeat timer (start)"),
+        ("charge_worker/worker/consumer.py", "run", "pull loop (fetch, spawn)"),
     ),
     "bare": (
         ("benchmarks/bare_pipeline.py", "handle", "one message, whole (all below)"),
@@ -129,12 +129,16 @@ def summarise(path: Path, steps: tuple[tuple[str, str, str], ...] = ()) -> Profi
     total = sum(by_package.values())
     functions.sort(key=lambda item: item[1], reverse=True)
     cumulative = [
-        (label, sum(
-            entry[3] for (filename, _line, function), entry in stats.items()
-            if filename.endswith(suffix) and function == name
-        ))
+        (
+            label,
+            sum(
+                entry[3]
+                for (filename, _line, function), entry in stats.items()
+                if filename.endswith(suffix) and function == name
+            ),
+        )
         for suffix, name, label in steps
-    ]  # fmt: skip
+    ]
     return Profile(
         total,
         sorted(by_package.items(), key=lambda item: item[1], reverse=True),

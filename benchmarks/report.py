@@ -1,4 +1,4 @@
-"""The printed table, the ratios against the issue's targets, and the JSON record."""
+"""The printed table, the ratios against the targets, and the JSON record."""
 
 from __future__ import annotations
 
@@ -399,7 +399,7 @@ def _check_lines(results: Results) -> list[str]:
 
 
 def ratio_lines(found: list[Ratio]) -> list[str]:
-    lines = ["", "Ratios against the targets of issue 8", ""]
+    lines = ["", "Ratios against the targets", ""]
     for item in found:
         target = item.target
         pairs = ", ".join(f"{p:.2f}" for p in item.pairwise)

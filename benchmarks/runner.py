@@ -34,10 +34,25 @@ MEMORY_RESERVE_S = 25.0  # publishing, start-up and stopping around the memory d
 PUBLISH_PER_S = 15_000.0  # backlog publishing speed, for the memory case's budget
 CASES = ("throughput", "latency", "profile", "memory")
 PACKAGES = (
-    "charge-worker", "nats-py", "asyncpg", "httpx", "httpx-aiohttp", "aiohttp", "pydantic",
-    "pydantic-core", "pydantic-settings", "structlog", "prometheus-client", "pybreaker",
-    "uvicorn", "starlette", "psutil", "uvloop", "orjson", "msgspec",
-)  # fmt: skip
+    "charge-worker",
+    "nats-py",
+    "asyncpg",
+    "httpx",
+    "httpx-aiohttp",
+    "aiohttp",
+    "pydantic",
+    "pydantic-core",
+    "pydantic-settings",
+    "structlog",
+    "prometheus-client",
+    "pybreaker",
+    "uvicorn",
+    "starlette",
+    "psutil",
+    "uvloop",
+    "orjson",
+    "msgspec",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -50,14 +65,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", choices=CASES, help="run only these cases")
     parser.add_argument("--memory-messages", type=int, help="memory case goal (100000)")
     parser.add_argument(
-        "--memory-budget-s", type=float, help="longest the memory drain may take (default: "
-        "what is left of the run's 10-minute budget)"
-    )  # fmt: skip
+        "--memory-budget-s",
+        type=float,
+        help="longest the memory drain may take (default: "
+        "what is left of the run's 10-minute budget)",
+    )
     parser.add_argument("--budget-s", type=float, help="the whole run's time budget")
     parser.add_argument(
-        "--trace-memory", action="store_true",
+        "--trace-memory",
+        action="store_true",
         help="memory case under tracemalloc: what grows in the Python heap (slow; diagnosis)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "latest.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the logs directory")
     return parser.parse_args(argv)
@@ -70,8 +88,14 @@ def machine() -> dict[str, Any]:
         platform.processor(),
     )
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
-    mem_total = next((line.split(":")[1].strip() for line in meminfo.splitlines()
-                      if line.startswith("MemTotal")), "?")  # fmt: skip
+    mem_total = next(
+        (
+            line.split(":")[1].strip()
+            for line in meminfo.splitlines()
+            if line.startswith("MemTotal")
+        ),
+        "?",
+    )
     return {
         "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),

@@ -51,9 +51,15 @@ class Simulator:
         self.kind = kind
         self.port = free_port()
         argv = python_argv(
-            "-m", "charge_worker", "sandbox", kind, "--port", str(self.port),
-            "--config", config_json,
-        )  # fmt: skip
+            "-m",
+            "charge_worker",
+            "sandbox",
+            kind,
+            "--port",
+            str(self.port),
+            "--config",
+            config_json,
+        )
         self.child = Child(f"{kind} simulator", argv, log_dir / f"{kind}-sim.log")
 
     @property

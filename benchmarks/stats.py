@@ -149,7 +149,7 @@ def model_quantile(model: LatencyModel, q: float) -> float:
 
 @dataclass(frozen=True)
 class Target:
-    """A ratio the issue asks for: `value <op> threshold`."""
+    """A ratio with a target: `value <op> threshold`."""
 
     name: str
     op: Op

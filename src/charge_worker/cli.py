@@ -21,7 +21,7 @@ from charge_worker.settings import Settings, load_settings
 T = TypeVar("T")
 
 
-class _Group(click.Group):
+class _OneLineErrors(click.Group):
     """Turns every domain error into one line on stderr and exit status 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -41,7 +41,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return event_loop.run(coro)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="charge-worker")
 def main() -> None:
     """Charge each due subscription from NATS JetStream exactly once in effect.

@@ -3,8 +3,9 @@
 A dead letter is published with `Nats-Msg-Id: dlq:<stream seq>` and its publish ack awaited
 before the original is terminated, so it is written once and never lost. The
 MAX_DELIVERIES advisory is a safety net for messages whose last delivery died with its
-worker: the consumer reads the message back from the stream by sequence (`stream_copy`) and
-requeues or dead-letters it (`decisions.after_deliveries_ran_out`).
+worker: the worker reads the message back from the stream by sequence (`stream_copy`) and
+requeues or dead-letters it (`decisions.after_deliveries_ran_out`). A requeue publishes a
+fresh copy of a message to the charges subject, its deliveries unspent.
 
 Operators read them back (`scan`, `summaries`, `get`) and `replay` them: the original body
 goes back to the charges subject with `Nats-Msg-Id: replay:<dlq seq>`. A replay deletes
@@ -110,7 +111,7 @@ class DeadLetterSummary:
 
 
 @dataclass(frozen=True)
-class DeadLetter:
+class Letter:
     """A dead letter as stored: its sequence in the DLQ stream, envelope headers and body."""
 
     seq: int
@@ -188,8 +189,15 @@ def table(rows: Iterable[DeadLetterSummary], width: int) -> list[str]:
     """A header and one line per dead letter; the error is cut to fit `width` characters."""
     lines = [_ROW.format(*_TITLES) + "ERROR"]
     for row in rows:
-        cells = (row.seq, row.dead_at, row.reason, row.stream_seq, row.num_delivered,
-                 row.order_id, row.billing_period)  # fmt: skip
+        cells = (
+            row.seq,
+            row.dead_at,
+            row.reason,
+            row.stream_seq,
+            row.num_delivered,
+            row.order_id,
+            row.billing_period,
+        )
         prefix = _ROW.format(*("-" if cell is None else str(cell) for cell in cells))
         room = max(width - len(prefix), MIN_ERROR_WIDTH)
         error = row.error or "-"
@@ -198,7 +206,7 @@ def table(rows: Iterable[DeadLetterSummary], width: int) -> list[str]:
 
 
 class DeadLetters:
-    """Writes dead letters, and reads and replays them for operators."""
+    """Writes dead letters and requeued copies, and reads and replays them for operators."""
 
     def __init__(self, js: JetStreamContext, cfg: NatsSettings) -> None:
         self.js = js
@@ -229,6 +237,19 @@ class DeadLetters:
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as error_:
             raise DependencyUnavailable(f"dead-letter stream not writable: {error_!r}") from error_
 
+    async def requeue(
+        self, body: bytes, headers: Mapping[str, str] | None, *, from_seq: int
+    ) -> None:
+        """Publish a fresh copy of the charges stream's message `from_seq`, its deliveries
+        unspent; `Nats-Msg-Id: requeue:<seq>` keeps it to one copy however many try."""
+        copy = {k: v for k, v in (headers or {}).items() if k != "Nats-Msg-Id"}
+        copy["Nats-Msg-Id"] = f"requeue:{from_seq}"
+        copy["Charge-Requeued-From"] = str(from_seq)
+        try:
+            await self.js.publish(self.cfg.subject, body, headers=copy, timeout=5)
+        except _NATS_ERRORS as error:
+            raise DependencyUnavailable(f"{self.cfg.subject} not writable: {error!r}") from error
+
     def advisory_subject(self) -> str:
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.cfg.stream}.{self.cfg.durable}"
 
@@ -239,7 +260,7 @@ class DeadLetters:
         except nats.js.errors.NotFoundError:
             return None
 
-    async def get(self, seq: int) -> DeadLetter | None:
+    async def get(self, seq: int) -> Letter | None:
         """The dead letter stored at `seq`, or None when there is none (never, or deleted)."""
         try:
             stored = await self.js.get_msg(self.cfg.dlq_stream, seq)
@@ -249,9 +270,9 @@ class DeadLetters:
             return None
         except _NATS_ERRORS as error:
             raise self._unavailable(error) from error
-        return DeadLetter(seq, dict(stored.headers or {}), stored.data or b"")
+        return Letter(seq, dict(stored.headers or {}), stored.data or b"")
 
-    async def scan(self, reason: str | None = None) -> AsyncGenerator[DeadLetter, None]:
+    async def scan(self, reason: str | None = None) -> AsyncGenerator[Letter, None]:
         """Every dead letter (with this `Dlq-Reason`) present when the scan starts, in order."""
         # One get per sequence rather than an ordered consumer: no subscription, heartbeats or
         # end-of-stream detection to manage, and nothing deletes dead letters one by one (age

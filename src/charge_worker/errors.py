@@ -1,7 +1,9 @@
 """The domain's exceptions, grouped by the action they imply.
 
-Adapters (`ledger`, `gateway`, `scoring`, `streams`) translate driver errors into these,
-keeping the driver's exception as `__cause__`; nothing above them imports a driver's errors.
+Adapters (`database`, `ledger`, `gateway`, `scoring`, `streams`, `dlq`) translate driver
+errors into these, keeping the driver's exception as `__cause__`; nothing above them imports
+a driver's errors. An error met while processing a delivery names its `outcome` (a value of
+`worker.decisions.Outcome`, and the metrics' label): decisions read it from here.
 
 Our exception hierarchy::
 
@@ -9,24 +11,34 @@ Our exception hierarchy::
     ├── SettingsError ............ invalid configuration: fail at start, one line
     ├── MigrationError ........... a migration cannot be applied (edited, or failed)
     ├── ProvisioningError ........ streams or consumer cannot be created as configured
-    ├── PermanentError ........... never retried: dead letter, then term
+    ├── PermanentError ........... never retried: dead letter (reason = outcome), then term
     │   ├── PoisonMessage ........ the message breaks contracts/charge-due.md
     │   ├── PayloadConflict ...... same (order_id, billing_period), other amount/currency/customer
     │   └── GatewayRejected ...... the gateway refused the request as invalid
     ├── TransientError ........... retry later with the same key (carries retry_after_s)
     │   ├── DependencyUnavailable  connection refused, breaker open, server restarting
+    │   ├── NoVerdict ............ scoring gave no verdict and the policy is `hold`
     │   ├── OutcomeUnknown ....... the gateway may or may not have charged (5xx, timeout)
     │   ├── RequestInProgress .... the gateway is processing this key right now (409)
     │   ├── RateLimited .......... the gateway asked us to slow down (429)
     │   └── LeaseHeld ............ another live worker owns this charge right now
-    └── AlreadySettled ........... the charge reached a final state before: ack the duplicate
+    ├── AlreadySettled ........... the charge reached a final state before: ack the duplicate
+    ├── GuardRefused ............. a guarded ledger write matched no row the rules allowed (a bug)
+    └── DeliveryRejected ......... a webhook delivery refused before anything was recorded
+        ├── MalformedDelivery .... missing or malformed headers or body: 400
+        ├── UnauthenticDelivery .. no valid signature, or a stale timestamp: 401
+        └── DeliveryTooLarge ..... the body is over the limit: 413
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class ChargeWorkerError(Exception):
     """Base of every error charge-worker raises on purpose."""
+
+    outcome: ClassVar[str] = "unavailable"  # what a delivery that met it came to
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or type(self).__name__).strip())
@@ -45,27 +57,25 @@ class ProvisioningError(ChargeWorkerError):
 
 
 class PermanentError(ChargeWorkerError):
-    """Retrying cannot help; the message is dead-lettered with `reason`."""
+    """Retrying cannot help; the message is dead-lettered with its outcome as the reason."""
 
-    reason = "rejected"
+    outcome = "rejected"
 
 
 class PoisonMessage(PermanentError):
     """The message breaks the charge.due/v1 contract."""
 
-    reason = "poison"
+    outcome = "poison"
 
 
 class PayloadConflict(PermanentError):
     """The same charge key arrived with another amount, currency or customer."""
 
-    reason = "conflict"
+    outcome = "conflict"
 
 
 class GatewayRejected(PermanentError):
     """The gateway refused the request as invalid."""
-
-    reason = "rejected"
 
 
 class TransientError(ChargeWorkerError):
@@ -80,21 +90,64 @@ class DependencyUnavailable(TransientError):
     """A dependency cannot be reached right now."""
 
 
+class NoVerdict(TransientError):
+    """Scoring gave no verdict and the policy is `hold`: wait for one."""
+
+
 class OutcomeUnknown(TransientError):
     """The gateway may or may not have charged; only a lookup can tell."""
+
+    outcome = "outcome_unknown"
 
 
 class RequestInProgress(TransientError):
     """The gateway is processing a request with this idempotency key right now."""
 
+    outcome = "in_progress"
+
 
 class RateLimited(TransientError):
     """The gateway asked us to slow down."""
+
+    outcome = "rate_limited"
 
 
 class LeaseHeld(TransientError):
     """Another live worker holds the lease on this charge."""
 
+    outcome = "lease_held"
+
 
 class AlreadySettled(ChargeWorkerError):
     """The charge reached a final state before; this delivery is a duplicate."""
+
+    outcome = "duplicate"
+
+
+class GuardRefused(ChargeWorkerError):
+    """The guarded ledger write matched no row although the rules allowed it (a bug)."""
+
+
+class DeliveryRejected(ChargeWorkerError):
+    """A webhook delivery refused before anything was recorded; `status_code` is the answer."""
+
+    status_code: ClassVar[int] = 400
+    result: ClassVar[str] = "malformed"  # the metrics' label
+
+
+class MalformedDelivery(DeliveryRejected):
+    """Missing or malformed headers or body."""
+
+
+class UnauthenticDelivery(DeliveryRejected):
+    """No valid signature, or a timestamp too far from now."""
+
+    status_code = 401
+    result = "unauthorized"
+
+
+class DeliveryTooLarge(DeliveryRejected):
+    """The body is over the configured limit."""
+
+    status_code = 413
+    result = "too_large"

@@ -12,13 +12,11 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-import asyncpg
 import click
 
 from charge_worker import events
-from charge_worker.errors import DependencyUnavailable
+from charge_worker.database import create_pool, translated
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import create_pool
 from charge_worker.messages import idempotency_key
 from charge_worker.settings import Settings
 
@@ -42,10 +40,9 @@ async def explain_command(
     """Print the story; exit 1 when nothing at all is known about this charge."""
     pool = await create_pool(settings.db)
     try:
-        row = await pool.fetchrow(_ROW, order_id, billing_period)
-        story = await events.story(pool, order_id, billing_period)
-    except (OSError, asyncpg.PostgresError) as error:
-        raise DependencyUnavailable(f"cannot read the ledger: {error}") from error
+        async with translated("cannot read the ledger"):
+            row = await pool.fetchrow(_ROW, order_id, billing_period)
+            story = await events.story(pool, order_id, billing_period)
     finally:
         await pool.close()
     at_gateway: list[dict[str, Any]] = []

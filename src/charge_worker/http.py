@@ -1,4 +1,5 @@
-"""Shared HTTP plumbing for the dependency clients: one client per dependency, a breaker.
+"""Shared HTTP plumbing: the dependency clients (one per dependency, with a breaker) and the
+probes every long-running command serves (`/metrics`, `/healthz`, `/readyz`).
 
 httpx's API over aiohttp's transport: httpx's default transport spends several times more
 client CPU per local request (see the benchmark issue). pybreaker has no native asyncio, so
@@ -8,13 +9,24 @@ a call is `with breaker.calling(): await ...` under a hard total deadline
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import socket
+from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 import pybreaker
+import uvicorn
 from httpx_aiohttp import AiohttpTransport
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
 
-from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
+from charge_worker.errors import DependencyUnavailable, OutcomeUnknown, SettingsError
+
+WEDGED_AFTER_S = 60.0  # a loop that has not turned for this long fails /healthz
 
 
 def build_client(
@@ -61,3 +73,57 @@ def open_for_s(breaker: pybreaker.CircuitBreaker) -> float:
         return 0.0
     left = opened_at + dt.timedelta(seconds=breaker.reset_timeout) - dt.datetime.now(dt.UTC)
     return max(left.total_seconds(), 0.0)
+
+
+def probes_app(
+    registry: CollectorRegistry,
+    *,
+    wedged: Callable[[], str | None],
+    not_ready: Callable[[], Awaitable[str | None]],
+    routes: list[BaseRoute] | None = None,
+) -> Starlette:
+    """`/metrics` from `registry`; `/healthz` fails with what `wedged()` says (a hung process
+    a restart would cure); `/readyz` with what `not_ready()` says (this pod should get no
+    work now). `routes` come first."""
+
+    async def scrape(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(_: Request) -> Response:
+        why = wedged()
+        return PlainTextResponse("ok") if why is None else PlainTextResponse(why, 503)
+
+    async def readyz(_: Request) -> Response:
+        why = await not_ready()
+        return PlainTextResponse("ready") if why is None else PlainTextResponse(why, 503)
+
+    return Starlette(
+        routes=[
+            *(routes or []),
+            Route("/metrics", scrape),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+        ]
+    )
+
+
+class Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the command owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def server(app: Starlette) -> Server:
+    """A quiet uvicorn server for `app`, to be served on a socket bound by `listen`."""
+    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+
+
+def listen(host: str, port: int, *, setting: str) -> socket.socket:
+    """Bind now, so a taken port fails at start naming `setting`, and port 0 is known at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise SettingsError(f"{setting}: cannot listen on {host}:{port}: {error}") from error

@@ -9,21 +9,20 @@ across a network call. asyncpg errors become `DependencyUnavailable` here.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import asyncpg
 
 from charge_worker import events
-from charge_worker.errors import AlreadySettled, DependencyUnavailable, LeaseHeld, PayloadConflict
+from charge_worker.database import translated
+from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict
 from charge_worker.messages import ChargeDue
-from charge_worker.settings import DbSettings, require
 
 Scoring = Literal["approved", "blocked", "deferred"]
-FinalStatus = Literal["succeeded", "declined", "failed"]
+FinalStatus = Literal["succeeded", "declined", "failed", "blocked"]
 
 _CLAIM = """
 WITH inserted AS (
@@ -86,48 +85,60 @@ WITH updated AS (
 SELECT count(*) FROM updated
 """
 
-# The delivery's event rides along when given: one round trip instead of two per charge.
-_SETTLE = f"""
-WITH updated AS (
-    UPDATE charge_attempts
+
+def _with_story(update: str, story: str) -> str:
+    """A fenced UPDATE (without RETURNING) that also appends this delivery's event, given as
+    the jsonb parameter `story`, when it changed the row; returns the rows it changed. One
+    round trip, and a fenced-out worker writes neither."""
+    return f"""
+WITH updated AS ({update} RETURNING order_id, billing_period),
+story AS (
+    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
+    SELECT order_id, billing_period, 'delivery', $3, {story}::jsonb
+      FROM updated WHERE {story}::jsonb IS NOT NULL
+)
+SELECT count(*) FROM updated
+"""
+
+
+_SETTLE = _with_story(
+    f"""UPDATE charge_attempts
        SET status = $5, gateway_charge_id = coalesce($6, gateway_charge_id), last_error = $7,
            scoring = coalesce($8, scoring), lease_owner = NULL, lease_until = NULL,
            settled_at = now(), updated_at = now()
-     WHERE {_FENCE}
-    RETURNING order_id, billing_period
-), story AS (
-    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-    SELECT order_id, billing_period, 'delivery', $3, $9::jsonb
-      FROM updated WHERE $9::jsonb IS NOT NULL
+     WHERE {_FENCE}""",
+    "$9",
 )
-SELECT count(*) FROM updated
-"""
 
-_RETRY_LATER = f"""
-WITH updated AS (
-    UPDATE charge_attempts
+_RETRY_LATER = _with_story(
+    f"""UPDATE charge_attempts
        SET last_error = $5, updated_at = now(),
            lease_owner = CASE WHEN $6 THEN lease_owner END,
            lease_until = CASE WHEN $6 THEN lease_until END
-     WHERE {_FENCE}
-    RETURNING 1
+     WHERE {_FENCE}""",
+    "$7",
 )
-SELECT count(*) FROM updated
-"""
 
 # The attempt alone fences here: the lease may have been released by this same attempt.
-_GIVE_UP = """
-WITH updated AS (
-    UPDATE charge_attempts
+_GIVE_UP = _with_story(
+    """UPDATE charge_attempts
        SET status = CASE WHEN gateway_calls = 0 THEN 'failed' ELSE status END,
            last_error = $5, lease_owner = NULL, lease_until = NULL, updated_at = now(),
            settled_at = CASE WHEN gateway_calls = 0 THEN now() END
      WHERE order_id = $1 AND billing_period = $2 AND status = 'pending'
-       AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4
-    RETURNING 1
+       AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4""",
+    "$6",
 )
-SELECT count(*) FROM updated
-"""
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """A final state for a claimed charge, written with the delivery's event."""
+
+    status: FinalStatus
+    charge_id: str | None = None
+    error: str | None = None
+    scoring: Scoring | None = None
 
 
 @dataclass(frozen=True)
@@ -146,35 +157,6 @@ class Claim:
     def outcome_unknown(self) -> bool:
         """An earlier gateway call has no recorded outcome: look up before sending again."""
         return self.gateway_calls > 0
-
-
-@contextlib.asynccontextmanager
-async def _translated() -> AsyncIterator[None]:
-    try:
-        yield
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-        raise DependencyUnavailable(f"ledger: {type(error).__name__}: {error}") from error
-
-
-async def keep_session(conn: asyncpg.Connection) -> None:
-    """A pool's `reset`: none of our statements leaves session state behind (no SET, LISTEN,
-    advisory lock or cursor), so asyncpg's default reset query, one more round trip on
-    every release, is skipped. asyncpg still rolls back a transaction left open."""
-
-
-async def create_pool(cfg: DbSettings) -> asyncpg.Pool:
-    """The process's one connection pool."""
-    dsn = require(cfg.url, "DATABASE_URL")
-    async with _translated():
-        pool = await asyncpg.create_pool(
-            dsn,
-            min_size=cfg.db_pool_min,
-            max_size=cfg.db_pool_max,
-            command_timeout=cfg.db_command_timeout_s,
-            reset=keep_session,
-        )
-    assert pool is not None
-    return pool
 
 
 class Ledger:
@@ -196,7 +178,7 @@ class Ledger:
         amount/currency/customer), `LeaseHeld` (a live worker owns it).
         """
         key = (charge.order_id, charge.billing_period)
-        async with _translated(), self.pool.acquire() as conn:
+        async with translated(), self.pool.acquire() as conn:
             row = await conn.fetchrow(
                 _CLAIM,
                 *key,
@@ -233,34 +215,50 @@ class Ledger:
         await self._fenced(_BEGIN_CALL, claim, scoring, self.lease_s, deferred_reason)
 
     async def settle(
-        self,
-        claim: Claim,
-        status: FinalStatus | Literal["blocked"],
-        *,
-        charge_id: str | None = None,
-        error: str | None = None,
-        scoring: Scoring | None = None,
-        story: Mapping[str, object] | None = None,
+        self, claim: Claim, settlement: Settlement, *, story: Mapping[str, object] | None
     ) -> None:
         """Record a final state, and `story` as this delivery's event when given.
 
         `LeaseHeld` if this worker no longer owns the charge (and then no event is written).
         """
-        detail = None if story is None else events.to_json(story)
-        await self._fenced(_SETTLE, claim, status, charge_id, error, scoring, detail)
+        await self._fenced(
+            _SETTLE,
+            claim,
+            settlement.status,
+            settlement.charge_id,
+            settlement.error,
+            settlement.scoring,
+            _detail(story),
+        )
 
-    async def retry_later(self, claim: Claim, error: str, *, keep_lease: bool) -> None:
-        """Stay pending; keep the lease when an earlier call may still be in flight."""
-        await self._fenced(_RETRY_LATER, claim, error, keep_lease)
+    async def retry_later(
+        self,
+        claim: Claim,
+        error: str,
+        *,
+        keep_lease: bool,
+        story: Mapping[str, object] | None = None,
+    ) -> None:
+        """Stay pending; keep the lease while an earlier call may still be in flight."""
+        await self._fenced(_RETRY_LATER, claim, error, keep_lease, _detail(story))
 
-    async def give_up(self, claim: Claim, error: str) -> None:
+    async def give_up(
+        self, claim: Claim, error: str, *, story: Mapping[str, object] | None = None
+    ) -> None:
         """Out of deliveries: `failed` if the gateway was never called, else left for
         reconcile's lookup (an outcome may be unknown)."""
-        await self._fenced(_GIVE_UP, claim, error)
+        await self._fenced(_GIVE_UP, claim, error, _detail(story))
+
+    async def tell(self, charge: ChargeDue, owner: str, story: Mapping[str, object]) -> None:
+        """Append a `delivery` event that no ledger write carried (none was allowed)."""
+        async with translated("events"):
+            await events.record(
+                self.pool, charge.order_id, charge.billing_period, "delivery", owner, **story
+            )
 
     async def _fenced(self, sql: str, claim: Claim, *args: object) -> None:
         """Run a write fenced by the claim; every such statement returns the rows it changed."""
-        async with _translated():
+        async with translated():
             updated = await self.pool.fetchval(
                 sql, claim.order_id, claim.billing_period, claim.owner, claim.attempt, *args
             )
@@ -268,13 +266,17 @@ class Ledger:
             raise LeaseHeld("the lease was taken over; this worker may not write")
 
     async def status_of(self, order_id: int, billing_period: dt.date) -> str | None:
-        async with _translated():
+        async with translated():
             value = await self.pool.fetchval(
                 "SELECT status FROM charge_attempts WHERE order_id = $1 AND billing_period = $2",
                 order_id,
                 billing_period,
             )
         return None if value is None else str(value)
+
+
+def _detail(story: Mapping[str, object] | None) -> str | None:
+    return None if story is None else events.to_json(story)
 
 
 @dataclass(frozen=True)
@@ -328,13 +330,13 @@ class DeferredChecks:
         self.retry_s = retry_s
 
     async def take(self, limit: int) -> list[DeferredCheck]:
-        async with _translated():
+        async with translated():
             rows = await self.pool.fetch(_TAKE_CHECKS, limit, self.retry_s)
         return [DeferredCheck(*row.values()) for row in rows]
 
     async def retry_in(self, checks: list[DeferredCheck], delay_s: float) -> None:
         """Taken checks that were not scored come due again after `delay_s`, not `retry_s`."""
-        async with _translated():
+        async with translated():
             await self.pool.execute(
                 _RETRY_CHECKS,
                 [c.order_id for c in checks],
@@ -343,12 +345,12 @@ class DeferredChecks:
             )
 
     async def pending(self) -> int:
-        async with _translated():
+        async with translated():
             count = await self.pool.fetchval(
                 "SELECT count(*) FROM deferred_scoring_checks WHERE status = 'pending'"
             )
         return int(count)
 
     async def resolve(self, check: DeferredCheck, verdict: Literal["approved", "blocked"]) -> None:
-        async with _translated():
+        async with translated():
             await self.pool.execute(_RESOLVE_CHECK, check.order_id, check.billing_period, verdict)

@@ -2,8 +2,8 @@
 
 A verdict is `approve` or `block`. Anything else — a timeout of the whole call (2 s by
 default), a non-2xx answer, a malformed body, an open breaker — is a scoring failure, and
-`score()` returns `None` instead of raising: the caller then applies the policy (`defer`:
-charge now and record a deferred check; `hold`: retry later).
+`score()` returns a `ScoringFailure` saying why instead of raising: the caller then applies
+the policy (`defer`: charge now and record a deferred check; `hold`: retry later).
 """
 
 from __future__ import annotations

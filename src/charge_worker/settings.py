@@ -28,7 +28,7 @@ def _alias(env: str, field: str) -> Any:
     return Field(None, validation_alias=AliasChoices(env, field))
 
 
-class _Group(BaseSettings):
+class _EnvGroup(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         env_file=".env",
@@ -38,7 +38,7 @@ class _Group(BaseSettings):
     )
 
 
-class NatsSettings(_Group):
+class NatsSettings(_EnvGroup):
     """Where the broker is and how the streams and the durable consumer are shaped."""
 
     url: str | None = _alias("NATS_URL", "url")
@@ -73,7 +73,7 @@ class NatsSettings(_Group):
         return value
 
 
-class DbSettings(_Group):
+class DbSettings(_EnvGroup):
     """The PostgreSQL ledger."""
 
     url: str | None = _alias("DATABASE_URL", "url")
@@ -82,7 +82,7 @@ class DbSettings(_Group):
     db_command_timeout_s: float = Field(10.0, gt=0)
 
 
-class WorkerSettings(_Group):
+class WorkerSettings(_EnvGroup):
     """The pull loop: concurrency, heartbeats, leases, shutdown."""
 
     concurrency: int = Field(16, ge=1, le=4096)
@@ -96,7 +96,7 @@ class WorkerSettings(_Group):
     failpoints: str = ""  # for the reliability suite only; checked by worker/failpoints.py
 
 
-class ScoringSettings(_Group):
+class ScoringSettings(_EnvGroup):
     """The anti-fraud scoring client."""
 
     url: str | None = _alias("SCORING_URL", "url")
@@ -106,7 +106,7 @@ class ScoringSettings(_Group):
     scoring_breaker_reset_s: float = Field(30.0, gt=0)
 
 
-class GatewaySettings(_Group):
+class GatewaySettings(_EnvGroup):
     """The payment gateway client."""
 
     url: str | None = _alias("GATEWAY_URL", "url")
@@ -117,14 +117,14 @@ class GatewaySettings(_Group):
     gateway_max_connections: int = Field(100, ge=1)
 
 
-class ReconcileSettings(_Group):
+class ReconcileSettings(_EnvGroup):
     """The reconcile sweeps (a CronJob, every 15 min by default)."""
 
     reconcile_window_s: float = Field(48 * 3600.0, gt=0)
     reconcile_quiet_s: float = Field(900.0, gt=0)
 
 
-class WebhookSettings(_Group):
+class WebhookSettings(_EnvGroup):
     """The gateway-webhook receiver (`charge-worker webhooks`) and its journal."""
 
     webhook_host: str = "0.0.0.0"  # noqa: S104  # the gateway calls in from outside the pod
@@ -143,22 +143,22 @@ class WebhookSettings(_Group):
         return value
 
 
-class HttpSettings(_Group):
+class HttpSettings(_EnvGroup):
     """The worker's own HTTP surface: /metrics, /healthz, /readyz."""
 
     http_host: str = "0.0.0.0"  # noqa: S104  # pods are probed from outside the container
     metrics_port: int = Field(9090, ge=0, le=65535)
 
 
-class LogSettings(_Group):
+class LogSettings(_EnvGroup):
     """Structured logging."""
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
 
 
-def _group(cls: type[_Group]) -> Any:
-    factory: Callable[[], _Group] = cls
+def _group(cls: type[_EnvGroup]) -> Any:
+    factory: Callable[[], _EnvGroup] = cls
     return Field(default_factory=factory)
 
 
@@ -270,11 +270,11 @@ def _one_line(group: type[BaseModel], error: ValidationError) -> str:
 
 def load_settings() -> Settings:
     """Read and check every setting; raise `SettingsError` naming the first bad one."""
-    groups: dict[str, _Group] = {}
+    groups: dict[str, _EnvGroup] = {}
     for name, info in Settings.model_fields.items():
         cls = info.annotation
         assert isinstance(cls, type)
-        assert issubclass(cls, _Group)
+        assert issubclass(cls, _EnvGroup)
         try:
             groups[name] = cls()
         except ValidationError as error:

@@ -28,24 +28,35 @@ from tests.chaos.scenarios import BY_NAME, COMBINED, SCENARIOS
 
 GOOD = ("charged_once", "declined", "blocked", "blocked_post_hoc", "dead_lettered")
 COLUMNS = (
-    ("scenario", 24), ("keys", 6), *((g, 9) for g in GOOD), ("fatal", 6),
-    ("gw calls p50/max", 16), ("redeliv", 8), ("converge s", 10), ("stall s", 8),
-    ("unknown p99/max s", 17), ("DLQ got/exp", 11), ("result", 7),
-)  # fmt: skip
+    ("scenario", 24),
+    ("keys", 6),
+    *((g, 9) for g in GOOD),
+    ("fatal", 6),
+    ("gw calls p50/max", 16),
+    ("redeliv", 8),
+    ("converge s", 10),
+    ("stall s", 8),
+    ("unknown p99/max s", 17),
+    ("DLQ got/exp", 11),
+    ("result", 7),
+)
 
 
 def _cells(result: Result) -> list[str]:
     row, out = result.row(), result.verdict.outcomes
     return [
-        result.scenario.name, str(result.size), *(str(out.get(g, 0)) for g in GOOD),
+        result.scenario.name,
+        str(result.size),
+        *(str(out.get(g, 0)) for g in GOOD),
         str(sum(out[f] for f in FATAL)),
         f"{row['gateway_calls_p50']:g}/{row['gateway_calls_max']}",
-        str(row["redeliveries"]), f"{row['converge_after_faults_s']:.1f}",
+        str(row["redeliveries"]),
+        f"{row['converge_after_faults_s']:.1f}",
         f"{row.get('stall_after_outage_max_s', '-')}",
         f"{row['unknown_resolution_p99_s']:.1f}/{row['unknown_resolution_max_s']:.1f}",
         f"{row['dead_letters']}/{row['dead_letters_expected']}",
         "pass" if result.passed else "FAIL",
-    ]  # fmt: skip
+    ]
 
 
 def _line(cells: list[str]) -> str:

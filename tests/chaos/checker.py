@@ -118,9 +118,13 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
     finally:
         await conn.close()
     return Facts(
-        charges, rows, await read_letters(nc, cfg), deliveries, redeliveries,
+        charges,
+        rows,
+        await read_letters(nc, cfg),
+        deliveries,
+        redeliveries,
         [float(r["s"]) for r in unknown],
-    )  # fmt: skip
+    )
 
 
 async def read_letters(nc: Client, cfg: NatsSettings) -> list[Letter]:

@@ -37,7 +37,7 @@ from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from tests.chaos.proxy import Proxy
-from tests.integration.worker_harness import WorkerProcess, settings_env, settings_for
+from tests.support.harness import WorkerProcess, settings_env, settings_for
 
 # Fast clocks so that every redelivery, lease expiry and quiet-row sweep happens within
 # seconds; every value passes the settings' own cross-field rules.

@@ -161,10 +161,14 @@ async def load_subscriptions(database_url: str, entries: Iterable[Entry]) -> int
             "subscriptions",
             records=rows,
             columns=[
-                "subscription_id", "order_id", "customer_id", "amount_minor", "currency",
+                "subscription_id",
+                "order_id",
+                "customer_id",
+                "amount_minor",
+                "currency",
                 "next_billing_date",
             ],
-        )  # fmt: skip
+        )
     finally:
         await conn.close()
     return len(rows)

@@ -96,11 +96,13 @@ async def run_scenario(
     generator.write_manifest(root / "manifest.jsonl", entries)
     chronicle("harness", f"manifest: {len(entries)} keys, seed {seed}")
     async with cluster(
-        servers, root, chronicle,
+        servers,
+        root,
+        chronicle,
         gateway=GatewayConfig(seed=seed, **scenario.gateway),
         scoring=ScoringConfig(seed=seed, **scenario.scoring),
         overrides=scenario.settings,
-    ) as system:  # fmt: skip
+    ) as system:
         nc = await connect_direct(system)
         try:
             return await _attack_and_judge(system, nc, scenario, entries, seed, size)
@@ -109,9 +111,13 @@ async def run_scenario(
 
 
 async def _attack_and_judge(
-    system: Cluster, nc: Client, scenario: Scenario, entries: list[generator.Entry],
-    seed: int, size: int,
-) -> Result:  # fmt: skip
+    system: Cluster,
+    nc: Client,
+    scenario: Scenario,
+    entries: list[generator.Entry],
+    seed: int,
+    size: int,
+) -> Result:
     chronicle = system.chronicle
     await generator.load_subscriptions(system.database_url, entries)
     stop_faults, stop_supervisor = asyncio.Event(), asyncio.Event()

@@ -51,13 +51,17 @@ SLOW_GATEWAY = {"latency": LatencyModel(slow_fraction=1.0, slow_min_s=2.0, slow_
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("baseline", "no faults"),
     Scenario(
-        "crash_storm", "3 workers, one killed (kill -9) every 2 s", workers=3,
+        "crash_storm",
+        "3 workers, one killed (kill -9) every 2 s",
+        workers=3,
         nemeses=(nemesis.KILL_WORKER,),
     ),
     *(
         Scenario(
-            f"failpoint_{point}", f"the worker kills itself at {point} with probability 0.2",
-            workers=3, settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
+            f"failpoint_{point}",
+            f"the worker kills itself at {point} with probability 0.2",
+            workers=3,
+            settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
             quick_size=100 if "dead_letter" in point else 50,
             # only poison reaches the dead-letter point: enough of it that the worker dies
             poison_share=0.6 if "dead_letter" in point else 0.03,
@@ -67,57 +71,83 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "redelivery_storm",
         "ack_wait 1 s, gateway 2-8 s, NATS latency bursts past ack_wait (late acks)",
-        workers=3, nemeses=(nemesis.NATS_LATENCY,), gateway=SLOW_GATEWAY,
+        workers=3,
+        nemeses=(nemesis.NATS_LATENCY,),
+        gateway=SLOW_GATEWAY,
         settings={
-            "ack_wait_s": 1.0, "backoff_s": (1.0, 2.0, 3.0), "gateway_timeout_s": 10.0,
-            "lease_s": 15.0, "concurrency": 64, "processing_budget_s": 60.0,
+            "ack_wait_s": 1.0,
+            "backoff_s": (1.0, 2.0, 3.0),
+            "gateway_timeout_s": 10.0,
+            "lease_s": 15.0,
+            "concurrency": 64,
+            "processing_budget_s": 60.0,
         },
         quick_size=200,
     ),
-    Scenario("nats_restart", "nats-server killed (SIGKILL or SIGTERM) and restarted",
-             nemeses=(nemesis.RESTART_NATS,)),
-    Scenario("postgres_crash_pause", "PostgreSQL immediate stop + start, and SIGSTOP 1-4 s",
-             nemeses=(nemesis.CRASH_POSTGRES, nemesis.PAUSE_POSTGRES)),
     Scenario(
-        "scoring_slow", "scoring p99 6-8 s, 10 % errors, 5 % hangs",
-        scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.1, "hang_rate": 0.05,
-                 "hang_s": 30.0},
+        "nats_restart",
+        "nats-server killed (SIGKILL or SIGTERM) and restarted",
+        nemeses=(nemesis.RESTART_NATS,),
+    ),
+    Scenario(
+        "postgres_crash_pause",
+        "PostgreSQL immediate stop + start, and SIGSTOP 1-4 s",
+        nemeses=(nemesis.CRASH_POSTGRES, nemesis.PAUSE_POSTGRES),
+    ),
+    Scenario(
+        "scoring_slow",
+        "scoring p99 6-8 s, 10 % errors, 5 % hangs",
+        scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.1, "hang_rate": 0.05, "hang_s": 30.0},
         quick_size=200,
     ),
     Scenario(
-        "gateway_unknown", "30 % timeouts / 10 % 5xx after commit, 10 % 503 before",
+        "gateway_unknown",
+        "30 % timeouts / 10 % 5xx after commit, 10 % 503 before",
         nemeses=(nemesis.LOST_ANSWERS,),
         gateway={"lost_answer_rate": 0.3, "error_rates": {503: 0.1}},
     ),
     Scenario(
-        "gateway_forgets_keys", "key retention 1 s (< every backoff) and 30 % lost answers",
+        "gateway_forgets_keys",
+        "key retention 1 s (< every backoff) and 30 % lost answers",
         gateway={"key_retention_s": 1.0, "lost_answer_rate": 0.3},
     ),
     Scenario(
-        "gateway_no_idempotency", "idempotency off and 30 % lost answers: the ledger alone",
+        "gateway_no_idempotency",
+        "idempotency off and 30 % lost answers: the ledger alone",
         gateway={"idempotency_enabled": False, "lost_answer_rate": 0.3},
     ),
-    Scenario("purged_stream", "20 % of published messages deleted before any worker ran",
-             purge_fraction=0.2),
-    Scenario("network", "latency, blackhole and resets on the NATS, PostgreSQL, gateway proxies",
-             workers=3, nemeses=(nemesis.NETWORK,)),
-)  # fmt: skip
+    Scenario(
+        "purged_stream",
+        "20 % of published messages deleted before any worker ran",
+        purge_fraction=0.2,
+    ),
+    Scenario(
+        "network",
+        "latency, blackhole and resets on the NATS, PostgreSQL, gateway proxies",
+        workers=3,
+        nemeses=(nemesis.NETWORK,),
+    ),
+)
 
 COMBINED = Scenario(
     "combined",
     "every nemesis at once, slow scoring, lost answers, every failpoint at 0.005",
     workers=3,
     nemeses=(
-        nemesis.KILL_WORKER, nemesis.RESTART_NATS, nemesis.CRASH_POSTGRES,
-        nemesis.PAUSE_POSTGRES, nemesis.NETWORK, nemesis.NATS_LATENCY, nemesis.LOST_ANSWERS,
+        nemesis.KILL_WORKER,
+        nemesis.RESTART_NATS,
+        nemesis.CRASH_POSTGRES,
+        nemesis.PAUSE_POSTGRES,
+        nemesis.NETWORK,
+        nemesis.NATS_LATENCY,
+        nemesis.LOST_ANSWERS,
     ),
-    scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.05, "hang_rate": 0.02,
-             "hang_s": 30.0},
+    scoring={"latency": INCIDENT_LATENCY, "error_rate": 0.05, "hang_rate": 0.02, "hang_s": 30.0},
     gateway={"lost_answer_rate": 0.3, "error_rates": {503: 0.05}},
     settings={"failpoints": ",".join(f"{p}:exit:0.005" for p in sorted(POINTS))},
     purge_fraction=0.05,
     fault_window_s=120.0,
     quiet_within_s=300.0,
-)  # fmt: skip
+)
 
 BY_NAME = {s.name: s for s in (*SCENARIOS, COMBINED)}

@@ -56,7 +56,9 @@ from charge_worker.gateway import ChargeResult, GatewayCharge
 from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
 from charge_worker.scoring import ScoringFailure, Verdict
-from charge_worker.worker.decisions import Ack, DeadLetter, Outcome, Requeue, decide
+from charge_worker.worker.consumer import conclude
+from charge_worker.worker.decisions import Ack, Action, DeadLetter, Outcome, Policy, Requeue
+from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
@@ -69,6 +71,7 @@ LEASE_S = 60.0
 MAX_DELIVER = 3  # small, so deliveries run out and messages are requeued
 BACKOFF_S = (1.0, 5.0)
 ACK_WAIT_S = 30.0
+POLICY = Policy(MAX_DELIVER, BACKOFF_S, ACK_WAIT_S, lease_s=LEASE_S)
 
 # What a parked call may come to when it goes on: the healthy answer, then the failures
 # (a timeout twice: unknown outcomes are what the ledger is for).
@@ -177,6 +180,12 @@ class FakeGateway:
         return [c for c in found if c.status == "succeeded"]
 
 
+async def _consume(pipeline: Pipeline, delivery: Delivery) -> tuple[Processed, Action]:
+    """What a consumer does with one delivery, up to telling JetStream: process, decide, record."""
+    processed = await pipeline.process(delivery)
+    return processed, await conclude(pipeline, processed, POLICY)
+
+
 @dataclasses.dataclass(eq=False, repr=False)
 class Flight:
     """One delivery in one worker, parked at a gate until the machine lets it go on."""
@@ -187,7 +196,7 @@ class Flight:
     delivery: int
     conflicting: bool
     wake: asyncio.Future[None]  # resolved when the flight parks
-    task: asyncio.Task[Processed] | None = None
+    task: asyncio.Task[tuple[Processed, Action]] | None = None
     gate: str | None = None
     go: asyncio.Future[str] | None = None
     looked_up: bool = False
@@ -410,9 +419,11 @@ class LedgerModel(RuleBasedStateMachine):
         flight = Flight(next(self.ids), worker, charge, delivery, conflicting, wake)
         port = Port(self, flight, self.policy)
         # the port stands in for both clients; the rest is the worker's own pipeline
-        pipeline = Pipeline(self.ledger, port, port, owner=worker, metrics=self.metrics)
+        pipeline = Pipeline(
+            self.ledger, port, port, owner=worker, metrics=self.metrics, failpoints=Failpoints()
+        )
         message = Delivery(charge.to_json(), stream_seq=flight.id, num_delivered=delivery)
-        flight.task = self.loop.create_task(pipeline.process(message))
+        flight.task = self.loop.create_task(_consume(pipeline, message))
         self.flights[flight.id] = flight
         self._run(flight)
         return flight
@@ -449,15 +460,11 @@ class LedgerModel(RuleBasedStateMachine):
             note(f"{flight}: parked at {flight.gate}")
             return
         del self.flights[flight.id]
-        self._settled(flight, flight.task.result())
+        self._settled(flight, *flight.task.result())
 
-    def _settled(self, flight: Flight, processed: Processed) -> None:
+    def _settled(self, flight: Flight, processed: Processed, action: Action) -> None:
         """What the consumer would tell JetStream, and whether it may say so."""
         result, charge = processed.result, flight.charge
-        action = decide(
-            result, flight.delivery, max_deliver=MAX_DELIVER, backoff_s=BACKOFF_S,
-            ack_wait_s=ACK_WAIT_S,
-        )  # fmt: skip
         note(f"{flight}: {result.outcome.value} ({result.error or 'final'}) -> {action}")
         assert result.outcome is not Outcome.CRASHED, result.error
         event(f"outcome {result.outcome.value}, lookup {processed.notes.get('lookup', '-')}")

@@ -23,7 +23,7 @@ from charge_worker.errors import PoisonMessage
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
-from tests.integration.worker_harness import (
+from tests.support.harness import (
     PERIOD,
     consumer_idle,
     dead_letters_at_least,
@@ -324,11 +324,31 @@ def test_the_size_limit_is_64_kib_inclusive(raw: bytes, accepted: bool) -> None:
 # End to end: a seeded batch of the same kinds of poison, between valid charges.
 
 NASTY_TOKENS = [
-    "NaN", "Infinity", "-Infinity", "-0.0", "0", "-1", "990.5", "99000.0", "1e2", "true",
-    "false", "null", '"99000"', "[99000]", '{"minor": 1}', "9" * 5000, str(MAX_INT + 1), '""',
-    json.dumps("c" * 65), '"rub"', '"RUB\\n"', '"2026-9-1"', '"2026-12-01T00:00:00"',
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "-0.0",
+    "0",
+    "-1",
+    "990.5",
+    "99000.0",
+    "1e2",
+    "true",
+    "false",
+    "null",
+    '"99000"',
+    "[99000]",
+    '{"minor": 1}',
+    "9" * 5000,
+    str(MAX_INT + 1),
+    '""',
+    json.dumps("c" * 65),
+    '"rub"',
+    '"RUB\\n"',
+    '"2026-9-1"',
+    '"2026-12-01T00:00:00"',
     '"charge.due/v2"',
-]  # fmt: skip
+]
 
 
 def named_poison() -> list[bytes]:
@@ -383,9 +403,12 @@ def fuzzed_poison(rng: random.Random, count: int) -> list[bytes]:
 
 
 async def test_worker_dead_letters_each_poison_once_and_charges_only_valid(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     rng = random.Random(20261201)
     poison = fuzzed_poison(rng, 40)
     valid_ids = list(range(1, 11))

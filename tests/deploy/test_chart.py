@@ -98,7 +98,7 @@ def test_the_value_sets_render_what_the_issue_lists() -> None:
     assert "Ingress" not in {m.kind for m in rendered_for("defaults").manifests}
 
 
-# The webhook receiver, as the issue asks for it.
+# The webhook receiver.
 
 
 @pytest.mark.parametrize("value_set", chart.VALUE_SETS)

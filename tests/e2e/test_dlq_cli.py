@@ -110,14 +110,25 @@ REJECTED = json.dumps(charge(48292), indent=1).encode()  # odd layout: kept byte
 async def three(js: JetStreamContext, nats_settings: NatsSettings) -> DeadLetters:
     """Dead letters 1 (poison), 2 (max_deliveries, traced) and 3 (rejected)."""
     dead = DeadLetters(js, nats_settings)
-    await dead.write(POISON, reason="poison", error="not UTF-8 JSON", stream_seq=11,
-                     num_delivered=1, original={"Nats-Msg-Id": "producer-1"})  # fmt: skip
-    await dead.write(EXHAUSTED, reason="max_deliveries", error="deliveries ran out",
-                     stream_seq=12, num_delivered=5,
-                     original={"Nats-Msg-Id": "charge:48291:2026-12-01",
-                               "traceparent": TRACEPARENT})  # fmt: skip
-    await dead.write(REJECTED, reason="rejected", error=LONG_ERROR, stream_seq=13,
-                     num_delivered=2, original=None)  # fmt: skip
+    await dead.write(
+        POISON,
+        reason="poison",
+        error="not UTF-8 JSON",
+        stream_seq=11,
+        num_delivered=1,
+        original={"Nats-Msg-Id": "producer-1"},
+    )
+    await dead.write(
+        EXHAUSTED,
+        reason="max_deliveries",
+        error="deliveries ran out",
+        stream_seq=12,
+        num_delivered=5,
+        original={"Nats-Msg-Id": "charge:48291:2026-12-01", "traceparent": TRACEPARENT},
+    )
+    await dead.write(
+        REJECTED, reason="rejected", error=LONG_ERROR, stream_seq=13, num_delivered=2, original=None
+    )
     return dead
 
 
@@ -271,8 +282,14 @@ async def test_replay_of_many_shows_progress(
     dead = DeadLetters(js, nats_settings)
     for order_id in range(1, 26):
         body = json.dumps(charge(order_id)).encode()
-        await dead.write(body, reason="rejected", error="invalid", stream_seq=order_id,
-                         num_delivered=1, original=None)  # fmt: skip
+        await dead.write(
+            body,
+            reason="rejected",
+            error="invalid",
+            stream_seq=order_id,
+            num_delivered=1,
+            original=None,
+        )
 
     result = await cli("dlq", "replay", "--all", "--yes", env=env)
 

@@ -17,7 +17,14 @@ from charge_worker import streams
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
-from tests.integration.test_producer import (
+from tests.support.harness import (
+    eventually,
+    gateway_charges,
+    running_worker,
+    settings_env,
+    settings_for,
+)
+from tests.support.producer import (
     DAY,
     Sub,
     add_attempt,
@@ -26,13 +33,6 @@ from tests.integration.test_producer import (
     attempts,
     next_dates,
     stream_messages,
-)
-from tests.integration.worker_harness import (
-    eventually,
-    gateway_charges,
-    running_worker,
-    settings_env,
-    settings_for,
 )
 
 

@@ -68,10 +68,14 @@ async def charged(gateway_url: str, order_id: int, idempotency_key: str) -> str:
     async with httpx.AsyncClient(base_url=gateway_url) as client:
         response = await client.post(
             "/v1/charges",
-            json={"amount": 99000, "currency": "RUB", "customer": "cus_ok",
-                  "metadata": {"order_id": str(order_id), "billing_period": PERIOD}},
+            json={
+                "amount": 99000,
+                "currency": "RUB",
+                "customer": "cus_ok",
+                "metadata": {"order_id": str(order_id), "billing_period": PERIOD},
+            },
             headers={"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": idempotency_key},
-        )  # fmt: skip
+        )
     assert response.status_code == 200, response.text
     return str(response.json()["id"])
 
@@ -84,9 +88,12 @@ async def succeeded_row(conn: asyncpg.Connection, order_id: int, charge_id: str)
             attempt, settled_at)
         VALUES ($1, $2, $3, $4, 'cus_ok', 99000, 'RUB', 'succeeded', $5, 1, 1, now())
         """,
-        order_id, dt.date.fromisoformat(PERIOD), f"{order_id}:{PERIOD}", f"sub_{order_id}",
+        order_id,
+        dt.date.fromisoformat(PERIOD),
+        f"{order_id}:{PERIOD}",
+        f"sub_{order_id}",
         charge_id,
-    )  # fmt: skip
+    )
 
 
 async def charges(gateway_url: str) -> dict[str, str]:
@@ -102,8 +109,11 @@ async def set_sim(gateway_url: str, **config: Any) -> None:
 
 def gauges(path: Path) -> dict[str, float]:
     families = text_string_to_metric_families(path.read_text())
-    return {s.name.removeprefix("charge_worker_reconcile_"): s.value
-            for family in families for s in family.samples}  # fmt: skip
+    return {
+        s.name.removeprefix("charge_worker_reconcile_"): s.value
+        for family in families
+        for s in family.samples
+    }
 
 
 async def test_double_charge_dry_run_then_repair_then_nothing(
@@ -129,9 +139,14 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
     assert "refunded" in repair.stdout
     assert await charges(gateway_sim.url) == {kept: "succeeded", extra: "refunded"}
     assert gauges(metrics) | {"last_run_timestamp_seconds": 0} == {
-        "last_run_timestamp_seconds": 0, "double_charges": 1, "refunds": 1,
-        "discrepancies": 0, "unknown_resolved": 0, "republished": 0, "errors": 0,
-    }  # fmt: skip
+        "last_run_timestamp_seconds": 0,
+        "double_charges": 1,
+        "refunds": 1,
+        "discrepancies": 0,
+        "unknown_resolved": 0,
+        "republished": 0,
+        "errors": 0,
+    }
 
     again = reconcile("--json", "--metrics-file", str(metrics), env=env)
     assert again.returncode == 0, again.stderr

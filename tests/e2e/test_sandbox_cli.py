@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from charge_worker.sandbox.embedded import free_port
-from tests.integration.worker_harness import eventually
+from tests.support.harness import eventually
 
 
 async def _answers(url: str) -> bool:
@@ -24,13 +24,25 @@ async def _answers(url: str) -> bool:
 @pytest.mark.parametrize(
     ("which", "path", "body", "expected"),
     [
-        ("gateway", "/v1/charges", {"amount": 100, "currency": "EUR", "customer": "cus_1",
-                                    "metadata": {"order_id": "1", "billing_period": "2026-12-01"}},
-         "succeeded"),
-        ("scoring", "/v1/score", {"order_id": 1, "customer_id": "cus_block_1",
-                                  "amount_minor": 100, "currency": "EUR"}, "block"),
+        (
+            "gateway",
+            "/v1/charges",
+            {
+                "amount": 100,
+                "currency": "EUR",
+                "customer": "cus_1",
+                "metadata": {"order_id": "1", "billing_period": "2026-12-01"},
+            },
+            "succeeded",
+        ),
+        (
+            "scoring",
+            "/v1/score",
+            {"order_id": 1, "customer_id": "cus_block_1", "amount_minor": 100, "currency": "EUR"},
+            "block",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_simulator_serves_until_sigterm(
     which: str, path: str, body: dict[str, object], expected: str
 ) -> None:

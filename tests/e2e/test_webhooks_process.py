@@ -17,7 +17,8 @@ import pytest
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.webhooks.signature import signed_headers
-from tests.integration.test_webhooks import (
+from tests.support.harness import eventually
+from tests.support.webhooks import (
     API_KEY,
     SECRET,
     add_row,
@@ -26,7 +27,6 @@ from tests.integration.test_webhooks import (
     ledger,
     settled,
 )
-from tests.integration.worker_harness import eventually
 
 
 class WebhooksProcess:
@@ -100,9 +100,12 @@ async def deliver(url: str, body: dict[str, object]) -> httpx.Response:
 
 @pytest.mark.slow  # the dead process's lease on the event must expire first (15 s)
 async def test_killed_right_after_the_2xx_the_event_is_still_applied(
-    database_url: str, gateway_sim: ServedApp, db: asyncpg.Connection,
-    spawn: list[WebhooksProcess], tmp_path: Path,
-) -> None:  # fmt: skip
+    database_url: str,
+    gateway_sim: ServedApp,
+    db: asyncpg.Connection,
+    spawn: list[WebhooksProcess],
+    tmp_path: Path,
+) -> None:
     await add_row(db, 1, "succeeded", charge_id="ch_1")
     doomed = WebhooksProcess(database_url, gateway_sim.url, tmp_path / "doomed.log")
     spawn.append(doomed)
@@ -134,9 +137,12 @@ async def test_killed_right_after_the_2xx_the_event_is_still_applied(
 
 
 async def test_sigterm_stops_the_receiver_with_exit_0(
-    database_url: str, gateway_sim: ServedApp, db: asyncpg.Connection,
-    spawn: list[WebhooksProcess], tmp_path: Path,
-) -> None:  # fmt: skip
+    database_url: str,
+    gateway_sim: ServedApp,
+    db: asyncpg.Connection,
+    spawn: list[WebhooksProcess],
+    tmp_path: Path,
+) -> None:
     await add_row(db, 2, "succeeded", charge_id="ch_2")
     receiver = WebhooksProcess(database_url, gateway_sim.url, tmp_path / "receiver.log")
     spawn.append(receiver)
@@ -164,7 +170,11 @@ def test_without_a_secret_the_receiver_refuses_to_start(
     env |= {"DATABASE_URL": database_url, "GATEWAY_URL": gateway_sim.url, "GATEWAY_API_KEY": "k"}
     done = subprocess.run(
         [sys.executable, "-m", "charge_worker", "webhooks"],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 1
     assert "CHARGE_WORKER_WEBHOOK_SECRETS is not set" in done.stderr

@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
-from tests.integration.worker_harness import (
+from tests.support.harness import (
     WorkerProcess,
     due,
     eventually,
@@ -54,9 +54,14 @@ async def row(database_url: str, order_id: int) -> asyncpg.Record | None:
 
 
 async def test_kill_9_after_the_gateway_charged_another_worker_finishes_once(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
-    scoring_sim: ServedApp, spawn: list[WorkerProcess], tmp_path: Path,
-) -> None:  # fmt: skip
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    spawn: list[WorkerProcess],
+    tmp_path: Path,
+) -> None:
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url, **FAST)
     js = await provisioned(nc, settings)
     doomed = WorkerProcess(
@@ -107,13 +112,22 @@ async def _in_flight(gateway_url: str) -> int:
 
 
 async def test_sigterm_finishes_in_flight_work_and_exits_0(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
-    scoring_sim: ServedApp, spawn: list[WorkerProcess], tmp_path: Path,
-) -> None:  # fmt: skip
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    spawn: list[WorkerProcess],
+    tmp_path: Path,
+) -> None:
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        gateway_timeout_s=5.0, drain_s=10.0,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        gateway_timeout_s=5.0,
+        drain_s=10.0,
+    )
     await set_sim(gateway_sim.url, latency={"fixed_s": 1.5})
     js = await provisioned(nc, settings)
     for n in (31, 32, 33):
@@ -138,13 +152,23 @@ async def test_sigterm_finishes_in_flight_work_and_exits_0(
 
 
 async def test_sigterm_past_the_drain_deadline_leaves_work_unacked_and_exits_0(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
-    scoring_sim: ServedApp, spawn: list[WorkerProcess], tmp_path: Path,
-) -> None:  # fmt: skip
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    spawn: list[WorkerProcess],
+    tmp_path: Path,
+) -> None:
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        gateway_timeout_s=20.0, lease_s=30.0, drain_s=0.5,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        gateway_timeout_s=20.0,
+        lease_s=30.0,
+        drain_s=0.5,
+    )
     await set_sim(gateway_sim.url, latency={"fixed_s": 10.0})
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, due(41))

@@ -13,8 +13,7 @@ from charge_worker import streams
 from charge_worker.dlq import DeadLetters
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
-
-from .worker_harness import (
+from tests.support.harness import (
     PERIOD,
     consumer_idle,
     dead_letters_at_least,
@@ -35,9 +34,12 @@ async def _advise(nc: Client, subject: str, seq: int) -> None:
 
 
 async def test_a_last_delivery_that_died_requeues_an_open_charge_then_dead_letters_it(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     """The MAX_DELIVERIES advisory: a death is no verdict; the third copy to run out is."""
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
     js = await provisioned(nc, settings)
@@ -103,13 +105,22 @@ def _stream_grew(js: JetStreamContext, stream: str, past: int) -> Callable[[], A
 
 
 async def test_unwritable_dead_letter_stream_naks_never_drops(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        ack_wait_s=1.0, backoff_s=(1.0, 1.0), max_deliver=10, heartbeat_s=0.3,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        ack_wait_s=1.0,
+        backoff_s=(1.0, 1.0),
+        max_deliver=10,
+        heartbeat_s=0.3,
+    )
     js = await provisioned(nc, settings)
     async with running_worker(settings):
         await js.delete_stream(settings.nats.dlq_stream)  # nowhere to write dead letters

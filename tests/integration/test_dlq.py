@@ -199,8 +199,17 @@ def test_table_cuts_the_error_to_the_width() -> None:
     )
     header, line = table([row], width=120)
     assert header.split() == [
-        "SEQ", "DEAD", "AT", "REASON", "ORIG", "SEQ", "DELIV", "ORDER", "PERIOD", "ERROR",
-    ]  # fmt: skip
+        "SEQ",
+        "DEAD",
+        "AT",
+        "REASON",
+        "ORIG",
+        "SEQ",
+        "DELIV",
+        "ORDER",
+        "PERIOD",
+        "ERROR",
+    ]
     assert len(line) == 120
     assert line.endswith("x…")
     assert line.split()[:7] == ["12", "2026-12-01T00:00:05Z", "poison", "-", "1", "-", "-"]

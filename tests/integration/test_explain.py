@@ -13,10 +13,10 @@ from charge_worker.producer.schedule import produce
 from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
+from tests.support.harness import eventually, provisioned, running_worker, set_sim, settings_for
 
 from .test_producer import DAY, Sub, add_subscriptions
 from .test_reconcile import charge_id, put_row
-from .worker_harness import eventually, provisioned, running_worker, set_sim, settings_for
 
 
 @pytest.fixture
@@ -40,9 +40,12 @@ async def told(settings: Settings, order_id: int, capsys: pytest.CaptureFixture[
 
 
 async def test_scheduled_published_charged_then_a_double_refunded(
-    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    nc: Client,
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     await provisioned(nc, settings)
     await add_subscriptions(str(settings.db.url), Sub("sub_1", 1))
     await produce(settings, DAY)
@@ -66,9 +69,11 @@ async def test_scheduled_published_charged_then_a_double_refunded(
 
 
 async def test_unknown_outcome_resolved_by_reconcile(
-    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     await put_row(conn, 2, "pending", gateway_calls=1, lease_s=-60.0)
     made = await charge_id(gateway_sim.url, 2)  # the killed worker's call went through
     await run_reconcile(settings)

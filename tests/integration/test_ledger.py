@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict
-from charge_worker.ledger import Ledger
+from charge_worker.ledger import Ledger, Settlement
 from charge_worker.messages import ChargeDue
 
 PERIOD = dt.date(2026, 9, 1)
@@ -99,10 +99,10 @@ async def test_expired_lease_is_taken_over_and_fences_out_the_old_owner(
     assert new.outcome_unknown  # the old owner's call has no recorded outcome
     assert new.scoring == "approved"
     with pytest.raises(LeaseHeld):
-        await ledger.settle(old, "succeeded", charge_id="ch_old")
+        await ledger.settle(old, Settlement("succeeded", charge_id="ch_old"), story=None)
     with pytest.raises(LeaseHeld):
         await ledger.begin_gateway_call(old, scoring=None, deferred_reason=None)
-    await ledger.settle(new, "succeeded", charge_id="ch_1")
+    await ledger.settle(new, Settlement("succeeded", charge_id="ch_1"), story=None)
     stored = await row(pool)
     assert (stored["status"], stored["gateway_charge_id"], stored["lease_owner"]) == (
         "succeeded",
@@ -118,8 +118,10 @@ async def test_a_settle_writes_its_story_only_when_it_holds_the_lease(
     await expire_leases(pool)
     new = await ledger.claim(charge(), "w2", 2)
     with pytest.raises(LeaseHeld):
-        await ledger.settle(old, "succeeded", charge_id="ch_old", story={"by": "w1"})
-    await ledger.settle(new, "succeeded", charge_id="ch_1", story={"by": "w2", "none": None})
+        await ledger.settle(old, Settlement("succeeded", charge_id="ch_old"), story={"by": "w1"})
+    await ledger.settle(
+        new, Settlement("succeeded", charge_id="ch_1"), story={"by": "w2", "none": None}
+    )
     stories = await pool.fetch(
         "SELECT actor, detail FROM charge_events WHERE order_id = $1 AND kind = 'delivery'",
         48291,
@@ -129,7 +131,7 @@ async def test_a_settle_writes_its_story_only_when_it_holds_the_lease(
 
 async def test_final_row_makes_a_duplicate_delivery_already_settled(ledger: Ledger) -> None:
     claim = await ledger.claim(charge(), "w1", 1)
-    await ledger.settle(claim, "declined", error="card_declined")
+    await ledger.settle(claim, Settlement("declined", error="card_declined"), story=None)
     with pytest.raises(AlreadySettled, match="declined"):
         await ledger.claim(charge(), "w2", 2)
 
@@ -204,6 +206,8 @@ async def test_only_a_replay_revives_a_failed_row_that_never_reached_the_gateway
 
     rejected = await ledger.claim(charge(order_id=2), "w1", 4)
     await ledger.begin_gateway_call(rejected, scoring=None, deferred_reason=None)
-    await ledger.settle(rejected, "failed", error="gateway 400")  # the gateway saw it
+    await ledger.settle(
+        rejected, Settlement("failed", error="gateway 400"), story=None
+    )  # the gateway saw it
     with pytest.raises(AlreadySettled):
         await ledger.claim(charge(order_id=2), "w2", 5, revive_failed=True)

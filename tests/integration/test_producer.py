@@ -8,17 +8,12 @@ are, and however often and however concurrently it runs, each due charge is char
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
-import asyncpg
 import pytest
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
 from charge_worker import events, streams
@@ -27,111 +22,19 @@ from charge_worker.producer.schedule import produce, publish_scheduled, schedule
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import DbSettings, NatsSettings, Settings
-
-from .worker_harness import eventually, gateway_charges, running_worker, settings_for
-
-DAY = dt.date(2026, 12, 1)
-FINAL = ("succeeded", "declined", "blocked", "failed", "refunded")
-
-
-@dataclass(frozen=True)
-class Sub:
-    """One row of `subscriptions`, due on DAY unless told otherwise."""
-
-    subscription_id: str
-    order_id: int
-    next_billing_date: dt.date = DAY
-    amount_minor: int = 99000
-    currency: str = "RUB"
-    customer_id: str = "cus_ok"
-    active: bool = True
-
-
-@contextlib.asynccontextmanager
-async def connected(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-async def add_subscriptions(database_url: str, *subs: Sub) -> None:
-    async with connected(database_url) as conn:
-        await conn.executemany(
-            "INSERT INTO subscriptions (subscription_id, order_id, next_billing_date,"
-            " amount_minor, currency, customer_id, active) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            [dataclasses.astuple(sub) for sub in subs],
-        )
-
-
-async def add_attempt(
-    database_url: str,
-    sub: Sub,
-    status: str,
-    *,
-    period: dt.date = DAY,
-    amount_minor: int | None = None,
-    published: bool = False,
-) -> None:
-    """A `charge_attempts` row written by hand (due_at NULL), as a worker or an old run left it."""
-    async with connected(database_url) as conn:
-        await conn.execute(
-            "INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,"
-            " subscription_id, customer_id, amount_minor, currency, status, gateway_charge_id,"
-            " published_at)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, CASE WHEN $10 THEN now() END)",
-            sub.order_id,
-            period,
-            f"{sub.order_id}:{period.isoformat()}",
-            sub.subscription_id,
-            sub.customer_id,
-            amount_minor or sub.amount_minor,
-            sub.currency,
-            status,
-            f"ch_{sub.order_id}" if status in ("succeeded", "refunded") else None,
-            published,
-        )
-
-
-async def attempts(database_url: str) -> dict[str, tuple[str, bool]]:
-    """Ledger rows by key: (status, published)."""
-    async with connected(database_url) as conn:
-        rows = await conn.fetch(
-            "SELECT idempotency_key, status, published_at IS NOT NULL AS published"
-            " FROM charge_attempts"
-        )
-    return {row["idempotency_key"]: (row["status"], row["published"]) for row in rows}
-
-
-async def next_dates(database_url: str) -> dict[str, dt.date]:
-    async with connected(database_url) as conn:
-        rows = await conn.fetch("SELECT subscription_id, next_billing_date FROM subscriptions")
-    return {row["subscription_id"]: row["next_billing_date"] for row in rows}
-
-
-async def stream_messages(js: JetStreamContext, stream: str) -> dict[str, bytes]:
-    """Every message in the stream by Nats-Msg-Id; a second message for an id fails the test."""
-    info = await js.stream_info(stream)
-    found: dict[str, bytes] = {}
-    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):  # 0 when empty
-        msg = await js.get_msg(stream, seq)
-        msg_id = (msg.headers or {})["Nats-Msg-Id"]
-        assert msg_id not in found, f"a second message for {msg_id}"
-        found[msg_id] = msg.data or b""
-    return found
-
-
-def all_final(database_url: str, count: int) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        rows = await attempts(database_url)
-        return len(rows) == count and all(status in FINAL for status, _ in rows.values())
-
-    return check
-
-
-def keys_of(*pairs: tuple[int, str]) -> set[str]:
-    return {f"{order_id}:{period}" for order_id, period in pairs}
+from tests.support.harness import eventually, gateway_charges, running_worker, settings_for
+from tests.support.producer import (
+    DAY,
+    Sub,
+    add_attempt,
+    add_subscriptions,
+    all_final,
+    attempts,
+    connected,
+    keys_of,
+    next_dates,
+    stream_messages,
+)
 
 
 @pytest.fixture
@@ -162,9 +65,12 @@ async def test_due_subscriptions_are_published_once_and_advanced(
     summary = await produce(settings, DAY)
 
     keys = keys_of(
-        (1, "2026-12-01"), (2, "2026-11-15"),
-        (3, "2026-10-01"), (3, "2026-11-01"), (3, "2026-12-01"),
-    )  # fmt: skip
+        (1, "2026-12-01"),
+        (2, "2026-11-15"),
+        (3, "2026-10-01"),
+        (3, "2026-11-01"),
+        (3, "2026-12-01"),
+    )
     assert (summary.due, summary.scheduled, summary.published, summary.deduplicated) == (3, 5, 5, 0)
     assert summary.exit_code == 0
     assert await attempts(database_url) == dict.fromkeys(keys, ("scheduled", True))
@@ -248,11 +154,17 @@ async def test_final_rows_are_already_settled_and_conflicts_are_not_advanced(
 
     assert (summary.already_settled, summary.scheduled, summary.published) == (2, 1, 1)
     assert summary.conflicts == [
-        Problem("sub_behind", "4:2026-12-01",
-                "recorded as '99000 RUB cus_ok', the subscription says '99000 EUR cus_ok'"),
-        Problem("sub_raised", "3:2026-12-01",
-                "recorded as '50000 RUB cus_ok', the subscription says '99000 RUB cus_ok'"),
-    ]  # fmt: skip
+        Problem(
+            "sub_behind",
+            "4:2026-12-01",
+            "recorded as '99000 RUB cus_ok', the subscription says '99000 EUR cus_ok'",
+        ),
+        Problem(
+            "sub_raised",
+            "3:2026-12-01",
+            "recorded as '50000 RUB cus_ok', the subscription says '99000 RUB cus_ok'",
+        ),
+    ]
     assert summary.exit_code == 0  # reported, like invalid rows
     assert await next_dates(database_url) == {
         "sub_paid": dt.date(2027, 1, 1),
@@ -356,8 +268,9 @@ async def test_a_publish_failing_past_the_horizon_is_counted_and_published_next_
 
     assert (first.scheduled, first.published, first.abandoned, first.exit_code) == (3, 1, 0, 1)
     assert [(f.subscription_id, f.key) for f in first.failed] == [
-        ("sub_2", "2:2026-12-01"), ("sub_3", "3:2026-12-01")
-    ]  # fmt: skip
+        ("sub_2", "2:2026-12-01"),
+        ("sub_3", "3:2026-12-01"),
+    ]
     assert all(f.reason.startswith("not stored after 0.3s of retries: ") for f in first.failed)
     assert await attempts(database_url) == {
         "1:2026-12-01": ("scheduled", True),
@@ -370,8 +283,10 @@ async def test_a_publish_failing_past_the_horizon_is_counted_and_published_next_
 
     assert (second.scheduled, second.published, second.exit_code) == (0, 2, 0)
     assert set(await stream_messages(js, cfg.stream)) == {
-        "charge:1:2026-12-01", "charge:2:2026-12-01", "charge:3:2026-12-01"
-    }  # fmt: skip
+        "charge:1:2026-12-01",
+        "charge:2:2026-12-01",
+        "charge:3:2026-12-01",
+    }
 
 
 async def test_a_failure_past_the_first_window_keeps_what_was_acked(

@@ -25,8 +25,7 @@ from charge_worker.reconcile.report import Counts
 from charge_worker.reconcile.run import LOCK_KEY, reconcile_command, run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
-
-from .worker_harness import (
+from tests.support.harness import (
     PERIOD,
     due,
     eventually,
@@ -84,10 +83,18 @@ async def put_row(
                 now() - make_interval(secs => $11::float8),
                 CASE WHEN $7 NOT IN ('scheduled', 'pending') THEN now() END)
         """,
-        order_id, PERIOD, key(order_id), f"sub_{order_id}", customer,
-        dt.datetime(2026, 12, 1, tzinfo=dt.UTC), status, gateway_calls, charge_id,
-        lease_s, quiet_for_s,
-    )  # fmt: skip
+        order_id,
+        PERIOD,
+        key(order_id),
+        f"sub_{order_id}",
+        customer,
+        dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
+        status,
+        gateway_calls,
+        charge_id,
+        lease_s,
+        quiet_for_s,
+    )
 
 
 async def post_charge(
@@ -138,9 +145,14 @@ async def story(conn: asyncpg.Connection, kind: str) -> list[tuple[int, dict[str
 
 @pytest.mark.parametrize("extra_first", [False, True], ids=["extra_after", "extra_before"])
 async def test_forced_double_charge_refunds_exactly_the_extra_one(
-    nc: Client, nats_settings: NatsSettings, database_url: str, conn: asyncpg.Connection,
-    gateway_sim: ServedApp, scoring_sim: ServedApp, extra_first: bool,
-) -> None:  # fmt: skip
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    extra_first: bool,
+) -> None:
     """The ledger's charge is kept whether it is the earlier or the later of the two."""
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
     js = await provisioned(nc, settings)
@@ -185,9 +197,12 @@ async def _status(conn: asyncpg.Connection, order_id: int, status: str) -> bool:
 
 @pytest.mark.parametrize(("lease_s", "row_after"), [(EXPIRED_S, "succeeded"), (LIVE_S, "pending")])
 async def test_double_charge_nobody_recorded_keeps_the_earliest(
-    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp, lease_s: float,
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    lease_s: float,
     row_after: str,
-) -> None:  # fmt: skip
+) -> None:
     """A pending row (the worker died, or is still at it) and two charges at the gateway:
     the earliest stays, the other is refunded; the row records the earliest only when no
     live worker holds it."""
@@ -208,9 +223,11 @@ async def test_double_charge_nobody_recorded_keeps_the_earliest(
 
 
 async def test_history_is_paged_through_to_a_double_charge_on_a_later_page(
-    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     for order_id in range(100, 250):  # one and a half pages of single charges
         await charge_id(gateway_sim.url, order_id)
     await set_sim(gateway_sim.url, idempotency_enabled=False)
@@ -219,9 +236,13 @@ async def test_history_is_paged_through_to_a_double_charge_on_a_later_page(
     await put_row(conn, 1, "succeeded", charge_id=kept)
 
     code = await reconcile_command(
-        settings, since=None, dry_run=False, as_json=True, fail_on_discrepancy=True,
+        settings,
+        since=None,
+        dry_run=False,
+        as_json=True,
+        fail_on_discrepancy=True,
         metrics_file=None,
-    )  # fmt: skip
+    )
 
     assert code == 0
     printed = capsys.readouterr()
@@ -231,9 +252,13 @@ async def test_history_is_paged_through_to_a_double_charge_on_a_later_page(
 
 
 async def test_purged_stream_every_due_charge_republished_and_charged_once(
-    nc: Client, nats_settings: NatsSettings, database_url: str, conn: asyncpg.Connection,
-    gateway_sim: ServedApp, scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
     """A broker that lost acknowledged messages: the ledger still knows every due charge."""
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
     js = await provisioned(nc, settings)
@@ -364,9 +389,11 @@ async def test_one_broken_key_is_reported_and_the_sweep_goes_on(
 
 
 async def test_ledger_charge_unknown_to_the_gateway_is_reported_never_charged(
-    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     real = await charge_id(gateway_sim.url, 1)
     await put_row(conn, 1, "succeeded", charge_id=real)
     await put_row(conn, 2, "succeeded", charge_id="ch_the_gateway_never_made")
@@ -446,9 +473,13 @@ async def _waiting_on_the_row(database_url: str) -> bool:
 
 
 async def test_metrics_file_and_json_carry_the_run(
-    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp,
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+    nc: Client,
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     await provisioned(nc, settings)
     await set_sim(gateway_sim.url, idempotency_enabled=False)
     await put_row(conn, 1, "succeeded", charge_id=await charge_id(gateway_sim.url, 1))
@@ -461,14 +492,24 @@ async def test_metrics_file_and_json_carry_the_run(
     before = time.time()
 
     code = await reconcile_command(
-        settings, since=None, dry_run=False, as_json=True, fail_on_discrepancy=False,
+        settings,
+        since=None,
+        dry_run=False,
+        as_json=True,
+        fail_on_discrepancy=False,
         metrics_file=path,
-    )  # fmt: skip
+    )
 
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
-    figures = {"double_charges": 1, "refunds": 1, "discrepancies": 1, "unknown_resolved": 1,
-               "republished": 1, "errors": 0}  # fmt: skip
+    figures = {
+        "double_charges": 1,
+        "refunds": 1,
+        "discrepancies": 1,
+        "unknown_resolved": 1,
+        "republished": 1,
+        "errors": 0,
+    }
     assert printed["counts"] == figures
     assert [item["order_id"] for item in printed["lost_messages"]] == [4]
     assert printed["exit_code"] == 0
@@ -482,9 +523,13 @@ async def test_metrics_file_and_json_carry_the_run(
     try:
         assert await holder.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
         code = await reconcile_command(
-            settings, since=None, dry_run=False, as_json=True, fail_on_discrepancy=True,
+            settings,
+            since=None,
+            dry_run=False,
+            as_json=True,
+            fail_on_discrepancy=True,
             metrics_file=path,
-        )  # fmt: skip
+        )
     finally:
         await holder.close()
     assert code == 0

@@ -17,13 +17,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import Ledger
+from charge_worker.ledger import Ledger, Settlement
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import GatewaySettings
 from charge_worker.webhooks.receiver import parse_event
 from charge_worker.webhooks.signature import Verifier, read_headers
-from tests.integration.test_webhooks import (
+from tests.support.harness import eventually, set_sim
+from tests.support.webhooks import (
     API_KEY,
     OPEN,
     PERIOD,
@@ -33,7 +34,6 @@ from tests.integration.test_webhooks import (
     running_receiver,
     webhook_settings,
 )
-from tests.integration.worker_harness import eventually, set_sim
 
 SCALED = {"webhook_secret": SECRET, "webhook_time_scale": 0.001}
 
@@ -89,9 +89,12 @@ async def test_a_delivery_is_signed_and_retried_on_the_schedule_until_a_2xx(
 ) -> None:
     endpoint, url = flaky
     await set_sim(
-        gateway_sim.url, webhook_url=url, webhook_timeout_s=0.5,
-        webhook_retry_schedule_s=[0, 30, 180, 1800], **SCALED,
-    )  # fmt: skip
+        gateway_sim.url,
+        webhook_url=url,
+        webhook_timeout_s=0.5,
+        webhook_retry_schedule_s=[0, 30, 180, 1800],
+        **SCALED,
+    )
     result = await gateway.charge(due(1))
 
     await eventually(lambda: sim_done(gateway_sim.url, 1), "the delivery finished")
@@ -160,7 +163,9 @@ async def test_reordered_and_duplicated_deliveries_leave_the_ledger_as_the_gatew
             if result.charge_id:
                 charged[order_id] = result.charge_id
             if order_id not in (5, 7):
-                await worker.settle(claim, result.status, charge_id=result.charge_id)
+                await worker.settle(
+                    claim, Settlement(result.status, charge_id=result.charge_id), story=None
+                )
         await pool.execute(
             "UPDATE charge_attempts SET lease_until = now() WHERE status = 'pending'"
         )
@@ -209,14 +214,22 @@ async def test_reordered_and_duplicated_deliveries_leave_the_ledger_as_the_gatew
             order_id = int(charge["metadata"]["order_id"])
             row = await ledger(pool, order_id)
             assert (row["status"], row["gateway_charge_id"], row["gateway_revision"]) == (
-                expected_status[charge["status"]], charge["id"], charge["revision"],
-            ), order_id  # fmt: skip
+                expected_status[charge["status"]],
+                charge["id"],
+                charge["revision"],
+            ), order_id
             assert (row["disputed_at"] is not None) == (order_id in (3, 8)), order_id
         statuses = {int(c["metadata"]["order_id"]): c["status"] for c in at_gateway}
         assert statuses == {
-            1: "refunded", 2: "refunded", 3: "succeeded", 4: "refunded",
-            5: "refunded", 6: "failed", 7: "failed", 8: "succeeded",
-        }  # fmt: skip
+            1: "refunded",
+            2: "refunded",
+            3: "succeeded",
+            4: "refunded",
+            5: "refunded",
+            6: "failed",
+            7: "failed",
+            8: "succeeded",
+        }
     finally:
         await pool.close()
 

@@ -24,8 +24,7 @@ from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import PostgresServer
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
-
-from .worker_harness import (
+from tests.support.harness import (
     consumer_idle,
     dead_letters_at_least,
     due,
@@ -117,9 +116,12 @@ async def test_one_message_delivered_three_times_charges_once(
 
 
 async def test_ten_concurrent_copies_charge_once(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     settings = settings_for(
         nats_settings, database_url, gateway_sim.url, scoring_sim.url, concurrency=10
     )
@@ -134,14 +136,22 @@ async def test_ten_concurrent_copies_charge_once(
 
 
 async def test_scoring_slower_than_ack_wait_charges_once_without_redelivery(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     """The incident: scoring at 7 s, AckWait 5 s. Heartbeats keep the message ours."""
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        ack_wait_s=5.0, backoff_s=(5.0, 10.0), scoring_timeout_s=9.0,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        ack_wait_s=5.0,
+        backoff_s=(5.0, 10.0),
+        scoring_timeout_s=9.0,
+    )
     await set_sim(scoring_sim.url, latency={"fixed_s": 7.0})
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, due(9))
@@ -208,15 +218,24 @@ async def test_conflicting_payload_is_dead_lettered_never_charged(
 
 
 async def test_max_deliveries_dead_letters_with_the_original_payload(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     """Processing that crashes on every delivery ends in the DLQ, not in a loop."""
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        max_deliver=3, ack_wait_s=1.0, backoff_s=(1.0, 1.0), heartbeat_s=0.3,
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        max_deliver=3,
+        ack_wait_s=1.0,
+        backoff_s=(1.0, 1.0),
+        heartbeat_s=0.3,
         failpoints="after_claim:raise",
-    )  # fmt: skip
+    )
     body = due(14)
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, body)
@@ -234,8 +253,9 @@ async def test_max_deliveries_dead_letters_with_the_original_payload(
     assert await statuses(database_url) == {14: "failed"}  # never sent to the gateway
     assert await gateway_charges(gateway_sim.url) == {}
 
-    fixed = settings.model_copy(update={"worker": settings.worker.model_copy(
-        update={"failpoints": ""})})  # fmt: skip
+    fixed = settings.model_copy(
+        update={"worker": settings.worker.model_copy(update={"failpoints": ""})}
+    )
     async with running_worker(fixed):  # the bug is fixed; the operator replays
         report = await DeadLetters(js, settings.nats).replay([1])
         assert report.replayed == [1]
@@ -245,14 +265,25 @@ async def test_max_deliveries_dead_letters_with_the_original_payload(
 
 
 async def test_a_dependency_outage_past_max_deliver_requeues_instead_of_dead_lettering(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        scoring_policy="hold", max_deliver=2, ack_wait_s=1.0, backoff_s=(1.0,),
-        heartbeat_s=0.3, scoring_timeout_s=0.5, scoring_breaker_failures=100,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        scoring_policy="hold",
+        max_deliver=2,
+        ack_wait_s=1.0,
+        backoff_s=(1.0,),
+        heartbeat_s=0.3,
+        scoring_timeout_s=0.5,
+        scoring_breaker_failures=100,
+    )
     await set_sim(scoring_sim.url, error_rate=1.0)  # no verdict; policy hold waits for one
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, due(17))
@@ -266,16 +297,24 @@ async def test_a_dependency_outage_past_max_deliver_requeues_instead_of_dead_let
 
 
 async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     # the breaker opens during the outage; once nothing but the checks calls scoring, their
     # loop must still probe it closed (pybreaker half-opens only on a call), and the checks
     # a failed round took must come due at the next round, not a whole batch's timeout later
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        deferred_check_interval_s=0.2, scoring_breaker_failures=2, scoring_breaker_reset_s=0.5,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        deferred_check_interval_s=0.2,
+        scoring_breaker_failures=2,
+        scoring_breaker_reset_s=0.5,
+    )
     await set_sim(scoring_sim.url, error_rate=1.0)
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, due(15, customer="cus_block_later"))
@@ -353,9 +392,12 @@ async def _status(client: httpx.AsyncClient, path: str, expected: int) -> bool:
 
 
 async def test_consumer_and_dead_letter_gauges(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     settings = settings_for(
         nats_settings, database_url, gateway_sim.url, scoring_sim.url, stats_interval_s=0.2
     )
@@ -369,25 +411,36 @@ async def test_consumer_and_dead_letter_gauges(
 
 
 async def test_metrics_scraped_after_redeliveries_and_dead_letters(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     """What Prometheus would scrape: the counters the alerts read, at the right values."""
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url,
-        scoring_policy="hold", ack_wait_s=1.0, backoff_s=(1.0, 1.0), heartbeat_s=0.3,
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        scoring_policy="hold",
+        ack_wait_s=1.0,
+        backoff_s=(1.0, 1.0),
+        heartbeat_s=0.3,
         scoring_breaker_failures=100,
-    )  # fmt: skip
+    )
     await set_sim(scoring_sim.url, error_rate=1.0)  # the first delivery finds no verdict
     js = await provisioned(nc, settings)
     await publish(js, settings.nats.subject, b"{not json")
     await publish(js, settings.nats.subject, due(71))
     async with running_worker(settings) as worker:
         await eventually(
-            lambda: worker.metric("charge_worker_messages_total", outcome="unavailable",
-                                  action="nak") == 1,
+            lambda: (
+                worker.metric("charge_worker_messages_total", outcome="unavailable", action="nak")
+                == 1
+            ),
             "the first delivery nak'd",
-        )  # fmt: skip
+        )
         await set_sim(scoring_sim.url, error_rate=0.0)
         await eventually(settled(database_url, 1), "charged on the redelivery")
         async with httpx.AsyncClient(base_url=worker.http_url) as client:

@@ -21,8 +21,7 @@ from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer, free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import GatewaySettings, NatsSettings
-
-from .worker_harness import (
+from tests.support.harness import (
     PERIOD,
     due,
     eventually,
@@ -53,12 +52,17 @@ def each_once(count: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("mode", ["5xx", "timeout"])
 async def test_lost_answer_after_the_charge_resolves_to_one_charge(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
-    scoring_sim: ServedApp, mode: str,
-) -> None:  # fmt: skip
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    mode: str,
+) -> None:
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url, **FAST)
-    await set_sim(gateway_sim.url, lost_answer_rate=1.0, lost_answer_mode=mode,
-                  lost_answer_delay_s=5.0)  # fmt: skip
+    await set_sim(
+        gateway_sim.url, lost_answer_rate=1.0, lost_answer_mode=mode, lost_answer_delay_s=5.0
+    )
     js = await provisioned(nc, settings)
     for n in (1, 2, 3):
         await publish(js, settings.nats.subject, due(n))
@@ -69,13 +73,20 @@ async def test_lost_answer_after_the_charge_resolves_to_one_charge(
 
 
 async def test_request_in_progress_is_retried_not_failed(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     """An earlier call with this key is still running at the gateway: 409, then retry."""
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url, **FAST)
-    body = {"amount": 99000, "currency": "RUB", "customer": "cus_ok",
-            "metadata": {"order_id": "1", "billing_period": "2026-12-01"}}  # fmt: skip
+    body = {
+        "amount": 99000,
+        "currency": "RUB",
+        "customer": "cus_ok",
+        "metadata": {"order_id": "1", "billing_period": "2026-12-01"},
+    }
     headers = {"Authorization": "Bearer sk_test_sandbox", "Idempotency-Key": "1:2026-12-01"}
     await set_sim(gateway_sim.url, latency={"fixed_s": 4.0})
     async with httpx.AsyncClient(base_url=gateway_sim.url, timeout=30) as client:
@@ -103,9 +114,12 @@ async def _in_flight(gateway_url: str) -> bool:
 
 
 async def test_rate_limited_is_retried_after_retry_after(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url, **FAST)
     await set_sim(gateway_sim.url, error_rates={"429": 0.5}, retry_after_s=1, seed=3)
     js = await provisioned(nc, settings)
@@ -119,14 +133,25 @@ async def test_rate_limited_is_retried_after_retry_after(
 
 
 async def test_gateway_down_longer_than_every_backoff_loses_nothing(
-    nc: Client, nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp,
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
     scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+) -> None:
     settings = settings_for(
-        nats_settings, database_url, gateway_sim.url, scoring_sim.url, **FAST,
-        ack_wait_s=1.0, backoff_s=(1.0, 1.0), max_deliver=3, heartbeat_s=0.3,
-        gateway_breaker_failures=3, concurrency=2,
-    )  # fmt: skip
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        scoring_sim.url,
+        **FAST,
+        ack_wait_s=1.0,
+        backoff_s=(1.0, 1.0),
+        max_deliver=3,
+        heartbeat_s=0.3,
+        gateway_breaker_failures=3,
+        concurrency=2,
+    )
     await set_sim(gateway_sim.url, error_rates={"503": 1.0})
     js = await provisioned(nc, settings)
     for n in range(1, 9):
@@ -152,9 +177,12 @@ def own_nats() -> Iterator[NatsServer]:
 
 
 async def test_nats_restart_mid_run(
-    own_nats: NatsServer, nats_settings: NatsSettings, database_url: str,
-    gateway_sim: ServedApp, scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+    own_nats: NatsServer,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
     cfg = nats_settings.model_copy(update={"url": own_nats.url})
     settings = settings_for(cfg, database_url, gateway_sim.url, scoring_sim.url, **FAST)
     await set_sim(gateway_sim.url, latency={"fixed_s": 0.05})
@@ -163,9 +191,12 @@ async def test_nats_restart_mid_run(
     for n in range(1, 41):
         await publish(js, settings.nats.subject, due(n))
     async with running_worker(settings) as worker:
-        await eventually(lambda: worker.metric("charge_worker_messages_total",
-                                               outcome="charged", action="ack") >= 5,
-                         "some charged")  # fmt: skip
+        await eventually(
+            lambda: (
+                worker.metric("charge_worker_messages_total", outcome="charged", action="ack") >= 5
+            ),
+            "some charged",
+        )
         await asyncio.to_thread(own_nats.restart)
         await eventually(lambda: all_settled(database_url, 40), "all charged", within_s=120)
         assert not worker.task.done()  # the same worker, never restarted
@@ -184,9 +215,13 @@ async def test_postgres_restart_mid_run(
         for n in range(1, 41):
             await publish(js, settings.nats.subject, due(n))
         async with running_worker(settings) as worker:
-            await eventually(lambda: worker.metric("charge_worker_messages_total",
-                                                   outcome="charged", action="ack") >= 5,
-                             "some charged")  # fmt: skip
+            await eventually(
+                lambda: (
+                    worker.metric("charge_worker_messages_total", outcome="charged", action="ack")
+                    >= 5
+                ),
+                "some charged",
+            )
             await asyncio.to_thread(pg.restart)
             await eventually(lambda: all_settled(pg.url, 40), "all charged", within_s=120)
             assert not worker.task.done()
@@ -204,9 +239,12 @@ async def test_a_refused_connection_is_known_unsent_not_an_unknown_outcome() -> 
 
 
 async def test_readiness_flips_with_nats(
-    own_nats: NatsServer, nats_settings: NatsSettings, database_url: str,
-    gateway_sim: ServedApp, scoring_sim: ServedApp,
-) -> None:  # fmt: skip
+    own_nats: NatsServer,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
     cfg = nats_settings.model_copy(update={"url": own_nats.url})
     settings = settings_for(cfg, database_url, gateway_sim.url, scoring_sim.url)
     async with (

@@ -41,7 +41,7 @@ ANNOTATIONS = ("summary", "description", "runbook_url")
 RUNBOOK_PARTS = ("**What it means.**", "**First three commands**", "**Do not**")
 # Grafana fills these in before the query reaches Prometheus; any other `$` is a mistake.
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
-# What the dashboard must show (issue 5): a metric each panel family is built on.
+# What the dashboard must show: a metric each panel family is built on.
 DASHBOARD_METRICS = (
     "charge_worker_messages_total",
     "charge_worker_redeliveries_total",

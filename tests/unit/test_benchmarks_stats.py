@@ -119,7 +119,7 @@ def test_model_quantile() -> None:
     assert model_quantile(body, 0.99) == pytest.approx(1.2, rel=1e-6)
     assert model_quantile(LatencyModel.fixed(0.15), 0.99) == pytest.approx(0.15)
     incident = LatencyModel.quantiles(0.05, 1.2, slow_fraction=0.02, slow_min_s=6, slow_max_s=8)
-    # the 2 % tail at 6-8 s holds the p99: the "scoring p99 7 s"
+    # the 2 % tail at 6-8 s holds the p99: the incident's "scoring p99 7 s"
     assert model_quantile(incident, 0.99) == pytest.approx(7.0, abs=0.05)
     with pytest.raises(ValueError, match="q must be"):
         model_quantile(body, 1.0)

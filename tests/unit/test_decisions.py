@@ -12,10 +12,10 @@ from charge_worker.worker.decisions import (
     DeadLetter,
     Nak,
     Outcome,
+    Policy,
     Requeue,
     Result,
     after_deliveries_ran_out,
-    backoff_delay,
     decide,
     result_of,
 )
@@ -24,8 +24,11 @@ BACKOFF = (30.0, 60.0, 300.0, 900.0)
 MAX_DELIVER = 5
 
 
+POLICY = Policy(max_deliver=MAX_DELIVER, backoff_s=BACKOFF, ack_wait_s=30.0, lease_s=45.0)
+
+
 def act(result: Result, delivery: int) -> Action:
-    return decide(result, delivery, max_deliver=MAX_DELIVER, backoff_s=BACKOFF, ack_wait_s=30.0)
+    return decide(result, delivery, POLICY)
 
 
 DELIVERIES = range(1, MAX_DELIVER + 1)
@@ -96,9 +99,18 @@ def test_every_outcome_is_covered_by_a_table_above() -> None:
 
 
 def test_backoff_last_step_repeats_and_empty_falls_back_to_ack_wait() -> None:
-    assert backoff_delay(9, BACKOFF, 30.0) == 900.0
-    assert backoff_delay(0, BACKOFF, 30.0) == 30.0
-    assert backoff_delay(3, (), 12.0) == 12.0
+    assert POLICY.backoff_delay(9) == 900.0
+    assert POLICY.backoff_delay(0) == 30.0
+    assert (
+        Policy(max_deliver=5, backoff_s=(), ack_wait_s=12.0, lease_s=1.0).backoff_delay(3) == 12.0
+    )
+
+
+@pytest.mark.parametrize("delivery", range(1, MAX_DELIVER))
+def test_a_lost_charge_answer_waits_out_the_lease(delivery: int) -> None:
+    lost = Result(Outcome.OUTCOME_UNKNOWN, error="gateway 503", call_in_flight=True)
+    assert act(lost, delivery) == Nak(POLICY.lease_s)
+    assert act(lost, MAX_DELIVER) == Requeue()
 
 
 @pytest.mark.parametrize(
@@ -112,6 +124,7 @@ def test_backoff_last_step_repeats_and_empty_falls_back_to_ack_wait() -> None:
         (errors.RateLimited("x", retry_after_s=3), Outcome.RATE_LIMITED),
         (errors.LeaseHeld("x"), Outcome.LEASE_HELD),
         (errors.DependencyUnavailable("x"), Outcome.UNAVAILABLE),
+        (errors.NoVerdict("x"), Outcome.UNAVAILABLE),
         (errors.AlreadySettled("x"), Outcome.DUPLICATE),
         (errors.SettingsError("x"), Outcome.UNAVAILABLE),
     ],
@@ -122,6 +135,15 @@ def test_result_of_maps_the_most_specific_error(
     result = result_of(error)
     assert result.outcome == outcome
     assert result.error == "x"
+
+
+def _subclasses(cls: type[errors.ChargeWorkerError]) -> list[type[errors.ChargeWorkerError]]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+@pytest.mark.parametrize("cls", _subclasses(errors.ChargeWorkerError), ids=lambda c: c.__name__)
+def test_every_error_names_an_outcome(cls: type[errors.ChargeWorkerError]) -> None:
+    assert Outcome(cls.outcome)  # raises ValueError for a value decisions do not know
 
 
 def test_result_of_keeps_the_retry_delay() -> None:

@@ -28,8 +28,15 @@ CHARGE = ChargeDue.model_validate(
     },
     strict=False,
 )
-OK = {"id": "ch_1", "status": "succeeded", "amount": 99000, "currency": "RUB",
-      "customer": "cus_42", "metadata": {}, "created": 1}  # fmt: skip
+OK = {
+    "id": "ch_1",
+    "status": "succeeded",
+    "amount": 99000,
+    "currency": "RUB",
+    "customer": "cus_42",
+    "metadata": {},
+    "created": 1,
+}
 
 
 def client(handler: Callable[[httpx.Request], httpx.Response], **cfg: object) -> GatewayClient:

@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator
 
 import asyncpg
 import click
-import nats.errors
 import structlog
 from pydantic import ValidationError
 
-from charge_worker import streams
-from charge_worker.errors import DependencyUnavailable
+from charge_worker import database, streams
+from charge_worker.database import translated
 from charge_worker.messages import SCHEMA, ChargeDue
 from charge_worker.producer.publish import ACTOR, BATCH, publish_scheduled
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
-from charge_worker.settings import DbSettings, Settings, require
+from charge_worker.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -99,9 +97,10 @@ async def produce(
     run publishes what this one scheduled.
     """
     summary = Summary(day)
-    async with _translated(), contextlib.AsyncExitStack() as stack:
-        conn = await _connect(settings.db)
-        stack.push_async_callback(conn.close)
+    async with translated("produce"), contextlib.AsyncExitStack() as stack:
+        # one connection: both steps run one statement at a time, never two at once
+        conn = await database.connect(settings.db, application_name="charge-worker produce")
+        stack.push_async_callback(database.close_quietly, conn)
         await schedule(conn, day, summary, batch_size=batch_size, progress=progress)
         nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
         stack.push_async_callback(nc.close)
@@ -112,15 +111,6 @@ async def produce(
             conn, js, settings.nats, summary, batch_size=batch_size, progress=progress
         )
     return summary
-
-
-async def _connect(cfg: DbSettings) -> asyncpg.Connection:
-    """One connection: both steps run one statement at a time, never two at once."""
-    dsn = require(cfg.url, "DATABASE_URL")
-    try:
-        return await asyncpg.connect(dsn, command_timeout=cfg.db_command_timeout_s)
-    except (OSError, asyncpg.PostgresError) as error:
-        raise DependencyUnavailable(f"cannot connect to the database: {error}") from error
 
 
 async def schedule(
@@ -208,11 +198,3 @@ def _reason(error: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()
     )
-
-
-@contextlib.asynccontextmanager
-async def _translated() -> AsyncIterator[None]:
-    try:
-        yield
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, nats.errors.Error) as error:
-        raise DependencyUnavailable(f"produce: {type(error).__name__}: {error}") from error

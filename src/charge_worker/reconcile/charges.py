@@ -75,8 +75,14 @@ async def _double(run: Sweeper, key: Key) -> None:
             refund_id = await patiently(run.gateway.refund, charge_id)
             refunded.append(charge_id)
             run.report.counts.refunds += 1
-            await run.event(key, "refund", charge_id=charge_id, refund_id=refund_id,
-                            reason="duplicate", kept=keep.id)  # fmt: skip
+            await run.event(
+                key,
+                "refund",
+                charge_id=charge_id,
+                refund_id=refund_id,
+                reason="duplicate",
+                kept=keep.id,
+            )
     action = "refunded" if len(refunded) == len(extras) else "partly refunded"
     run.report.add("double_charges", Finding(*key, action, detail | {"refunded": refunded}))
 

@@ -27,7 +27,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from charge_worker import streams
+from charge_worker import database, streams
+from charge_worker.database import translated
 from charge_worker.errors import (
     ChargeWorkerError,
     DependencyUnavailable,
@@ -39,7 +40,7 @@ from charge_worker.reconcile.charges import discrepancies, double_charges
 from charge_worker.reconcile.history import fetch_history
 from charge_worker.reconcile.report import Report, table, to_json, write_metrics
 from charge_worker.reconcile.sweeps import Sweeper, lost_messages, unknown_outcomes
-from charge_worker.settings import DbSettings, NatsSettings, Settings, require
+from charge_worker.settings import DbSettings, NatsSettings, Settings
 
 # Any constant of reconcile's own; "reconcil" in ASCII (migrate.py's is "charge-w").
 LOCK_KEY = 0x7265636F6E63696C
@@ -125,7 +126,7 @@ async def run_reconcile(
     )
     gateway = GatewayClient(settings.gateway)  # checks GATEWAY_URL / GATEWAY_API_KEY first
     try:
-        async with _ledger(settings.db) as conn:
+        async with _ledger(settings.db) as conn, translated():
             if not dry_run and not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
                 report.skipped = SKIPPED
                 return report
@@ -159,22 +160,11 @@ async def _sweep(run: Sweeper, *, since: dt.datetime, until: dt.datetime) -> Non
 @contextlib.asynccontextmanager
 async def _ledger(cfg: DbSettings) -> AsyncIterator[asyncpg.Connection]:
     """One connection for the whole run: it holds the lock, and closing it releases it."""
-    dsn = require(cfg.url, "DATABASE_URL")
-    try:
-        conn: asyncpg.Connection = await asyncpg.connect(
-            dsn,
-            command_timeout=cfg.db_command_timeout_s,
-            server_settings={"application_name": "charge-worker reconcile"},
-        )
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-        raise DependencyUnavailable(f"cannot connect to the database: {error}") from error
+    conn = await database.connect(cfg, application_name="charge-worker reconcile")
     try:
         yield conn
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-        raise DependencyUnavailable(f"ledger: {type(error).__name__}: {error}") from error
     finally:
-        with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-            await conn.close(timeout=5)
+        await database.close_quietly(conn)
 
 
 class _NatsRepublisher:

@@ -142,9 +142,14 @@ class Sweeper:
             log.warning("reconcile.event_lost", kind=kind, key=key_, error=str(error))
 
     async def settle(
-        self, key: Key, attempt: int, status: str, charge_id: str | None, error: str | None,
+        self,
+        key: Key,
+        attempt: int,
+        status: str,
+        charge_id: str | None,
+        error: str | None,
         **detail: Any,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """The guarded write, with its `resolved` event; False if a worker took the row."""
         async with self.conn.transaction():
             result = await self.conn.execute(_SETTLE, *key, attempt, status, charge_id, error)

@@ -21,8 +21,8 @@ import structlog
 from asyncpg.pool import PoolConnectionProxy
 
 from charge_worker import events
-from charge_worker.errors import ChargeWorkerError, LeaseHeld
-from charge_worker.ledger import _translated
+from charge_worker.database import translated
+from charge_worker.errors import GuardRefused, LeaseHeld, MalformedDelivery
 from charge_worker.webhooks.metrics import OPEN_STATUSES
 from charge_worker.webhooks.rules import (
     Apply,
@@ -35,7 +35,6 @@ from charge_worker.webhooks.rules import (
     Wait,
     decide,
 )
-from charge_worker.webhooks.signature import MalformedDelivery
 
 log = structlog.get_logger(__name__)
 ACTOR = "webhooks"
@@ -134,10 +133,6 @@ def status_of(decision: Decision) -> str:
     return _STATUS_OF[type(decision)]
 
 
-class GuardRefused(ChargeWorkerError):
-    """The guarded ledger write matched no row although the rules allowed it (a bug)."""
-
-
 @dataclass(frozen=True)
 class Entry:
     """One verified event, as the receiver journals it."""
@@ -209,7 +204,7 @@ class Inbox:
 
     async def journal(self, entry: Entry) -> bool:
         """Record the event once; False when it was journaled before (a redelivery)."""
-        async with _translated():
+        async with translated():
             try:
                 row_id = await self.pool.fetchval(
                     _JOURNAL,
@@ -229,24 +224,32 @@ class Inbox:
 
     async def take(self, owner: str, *, limit: int, lease_s: float) -> list[Job]:
         """Lease up to `limit` due rows (new, waiting, or whose lease expired)."""
-        async with _translated():
+        async with translated():
             rows = await self.pool.fetch(_TAKE, owner, limit, lease_s)
         return [
             Job(
-                r["id"], r["source"], r["event_id"], r["event_type"], r["object_id"],
-                r["revision"], r["order_id"], r["billing_period"], r["object_status"] or "",
-                r["attempts"], r["age_s"],
+                r["id"],
+                r["source"],
+                r["event_id"],
+                r["event_type"],
+                r["object_id"],
+                r["revision"],
+                r["order_id"],
+                r["billing_period"],
+                r["object_status"] or "",
+                r["attempts"],
+                r["age_s"],
             )
             for r in rows
-        ]  # fmt: skip
+        ]
 
-    async def settle(
+    async def decide_and_write(
         self, job: Job, owner: str, *, confirmed_status: str | None = None, wait_s: float | None
     ) -> Decision:
         """Decide and write in one transaction. A `Wait` is written as `awaiting_dependency`
         retried in `wait_s`, or with `wait_s=None` not written at all (the caller looks the
-        charge up, then settles again with the `confirmed_status` it found)."""
-        async with _translated(), self.pool.acquire() as conn, conn.transaction():
+        charge up, then calls again with the `confirmed_status` it found)."""
+        async with translated(), self.pool.acquire() as conn, conn.transaction():
             held = _Held(conn, job, owner)
             await conn.execute("SELECT set_config('lock_timeout', $1, true)", self.lock_timeout)
             if job.key is not None:
@@ -254,10 +257,16 @@ class Inbox:
             else:
                 record = await conn.fetchrow(_LEDGER_BY_CHARGE, job.charge_id)
             newest = await conn.fetchval(_NEWEST_APPLIED, job.source, job.charge_id, job.id)
-            row = None if record is None else Row(
-                record["status"], record["gateway_charge_id"], record["gateway_revision"],
-                record["lease_free"],
-            )  # fmt: skip
+            row = (
+                None
+                if record is None
+                else Row(
+                    record["status"],
+                    record["gateway_charge_id"],
+                    record["gateway_revision"],
+                    record["lease_free"],
+                )
+            )
             decision = decide(
                 job.snapshot(confirmed_status),
                 row,
@@ -280,7 +289,7 @@ class Inbox:
 
     async def review(self, job: Job, owner: str, why: str) -> None:
         """Give up on the event: `needs_review`, with its reason in the charge's story."""
-        async with _translated(), self.pool.acquire() as conn, conn.transaction():
+        async with translated(), self.pool.acquire() as conn, conn.transaction():
             held = _Held(conn, job, owner)
             await held.finish("needs_review", outcome=why)
             if job.key is not None:
@@ -288,20 +297,20 @@ class Inbox:
 
     async def wait(self, job: Job, owner: str, why: str, *, delay_s: float) -> None:
         """Put the event back to wait for its dependency another `delay_s`."""
-        async with _translated(), self.pool.acquire() as conn:
+        async with translated(), self.pool.acquire() as conn:
             held = _Held(conn, job, owner)
             await held.finish("awaiting_dependency", error=why, delay_s=delay_s)
 
     async def retry(self, job: Job, owner: str, error: str, *, delay_s: float) -> None:
         """Put the event back for another try in `delay_s` (processing failed)."""
-        async with _translated(), self.pool.acquire() as conn:
+        async with translated(), self.pool.acquire() as conn:
             await _Held(conn, job, owner).finish("received", error=error, delay_s=delay_s)
 
     async def purge(self, retention_s: float, *, batch: int = 1000) -> int:
         """Delete applied and stale rows received over `retention_s` ago; the number deleted."""
         deleted = 0
         while True:
-            async with _translated():
+            async with translated():
                 status = await self.pool.execute(_PURGE, retention_s, batch)
             count = int(status.rsplit(" ", 1)[-1])
             deleted += count
@@ -310,7 +319,7 @@ class Inbox:
 
     async def open_counts(self) -> OpenCounts:
         """Rows by open status (and needs_review), and the oldest unprocessed one's age."""
-        async with _translated():
+        async with translated():
             rows = await self.pool.fetch(_OPEN_COUNTS)
         counts = dict.fromkeys(OPEN_STATUSES, 0) | {r["status"]: int(r["n"]) for r in rows}
         unprocessed = [r["oldest_s"] for r in rows if r["status"] != "needs_review"]
@@ -367,9 +376,15 @@ class _Held:
         try:
             async with conn.transaction():
                 await events.record(
-                    conn, *key, "webhook", ACTOR, **job.describe(),
-                    outcome=status, detail=outcome, looked_up=looked_up,
-                )  # fmt: skip
+                    conn,
+                    *key,
+                    "webhook",
+                    ACTOR,
+                    **job.describe(),
+                    outcome=status,
+                    detail=outcome,
+                    looked_up=looked_up,
+                )
         except (asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError):
             raise
         except asyncpg.PostgresError as error:

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from charge_worker.worker.metrics import PREFIX
+PREFIX = "charge_worker_webhook"
 
 OPEN_STATUSES = ("received", "processing", "awaiting_dependency", "needs_review")
 FINAL_STATUSES = ("applied", "stale", "needs_review")
 DELIVERY_RESULTS = (
-    "journaled", "duplicate", "too_large", "malformed", "unauthorized", "unavailable",
-)  # fmt: skip
+    "journaled",
+    "duplicate",
+    "too_large",
+    "malformed",
+    "unauthorized",
+    "unavailable",
+)
 
 
 class WebhookMetrics:
@@ -25,39 +30,47 @@ class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry, *, source: str) -> None:
         self.registry = registry
         self.deliveries = Counter(
-            f"{PREFIX}_webhook_deliveries", "Webhook deliveries received, by source and result.",
-            ["source", "result"], registry=registry,
-        )  # fmt: skip
+            f"{PREFIX}_deliveries",
+            "Webhook deliveries received, by source and result.",
+            ["source", "result"],
+            registry=registry,
+        )
         self.duplicates = Counter(
-            f"{PREFIX}_webhook_duplicate_events",
+            f"{PREFIX}_duplicate_events",
             "Verified deliveries of an event already journaled (answered 2xx, nothing new).",
-            ["source"], registry=registry,
-        )  # fmt: skip
+            ["source"],
+            registry=registry,
+        )
         self.journal_seconds = Histogram(
-            f"{PREFIX}_webhook_journal_seconds",
+            f"{PREFIX}_journal_seconds",
             "Time from a delivery's arrival to its 200: checks, signature, journal insert.",
             registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
         )
         self.events = Counter(
-            f"{PREFIX}_webhook_events", "Journaled events processed, by the status they got.",
-            ["status"], registry=registry,
-        )  # fmt: skip
+            f"{PREFIX}_events",
+            "Journaled events processed, by the status they got.",
+            ["status"],
+            registry=registry,
+        )
         self.needs_review = Counter(
-            f"{PREFIX}_webhook_needs_review",
+            f"{PREFIX}_needs_review",
             "Webhook events the ledger cannot explain, left for a human (status needs_review).",
             registry=registry,
         )
         self.purged = Counter(
-            f"{PREFIX}_webhook_purged", "Journal rows deleted after the retention period.",
+            f"{PREFIX}_purged",
+            "Journal rows deleted after the retention period.",
             registry=registry,
-        )  # fmt: skip
+        )
         self.inbox_rows = Gauge(
-            f"{PREFIX}_webhook_inbox_rows", "Journal rows not final, by status.", ["status"],
+            f"{PREFIX}_inbox_rows",
+            "Journal rows not final, by status.",
+            ["status"],
             registry=registry,
-        )  # fmt: skip
+        )
         self.oldest_open_s = Gauge(
-            f"{PREFIX}_webhook_oldest_unprocessed_seconds",
+            f"{PREFIX}_oldest_unprocessed_seconds",
             "Age of the oldest journaled event not processed yet (0 when none).",
             registry=registry,
         )

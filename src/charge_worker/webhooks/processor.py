@@ -156,7 +156,7 @@ class Processor:
     async def _decide(self, job: Job) -> Decision:
         tuning = self.tuning
         bound = job.attempts >= tuning.wait_bound_tries or job.age_s >= tuning.wait_bound_s
-        decision = await self.inbox.settle(
+        decision = await self.inbox.decide_and_write(
             job, self.owner, wait_s=None if bound else tuning.backoff_s(job.attempts)
         )
         if not (bound and isinstance(decision, Wait)):
@@ -177,7 +177,7 @@ class Processor:
             why = f"{decision.why}; the gateway holds no {job.charge_id} for this key ({held})"
             await self.inbox.review(job, self.owner, why)
             return Review(why)
-        return await self.inbox.settle(
+        return await self.inbox.decide_and_write(
             job, self.owner, confirmed_status=charge.status, wait_s=tuning.backoff_max_s
         )
 

@@ -30,16 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from charge_worker.errors import DependencyUnavailable
-from charge_worker.webhooks.inbox import Entry, Inbox
-from charge_worker.webhooks.metrics import WebhookMetrics
-from charge_worker.webhooks.signature import (
+from charge_worker.errors import (
     DeliveryRejected,
     DeliveryTooLarge,
+    DependencyUnavailable,
     MalformedDelivery,
-    Verifier,
-    read_headers,
 )
+from charge_worker.webhooks.inbox import Entry, Inbox
+from charge_worker.webhooks.metrics import WebhookMetrics
+from charge_worker.webhooks.signature import Verifier, read_headers
 
 log = structlog.get_logger(__name__)
 JOURNAL_BUDGET_S = 3.0  # the gateway gives up on an answer after 5 s
@@ -135,15 +134,25 @@ def receiver(
         except DeliveryRejected as rejected:
             metrics.deliveries.labels(source, rejected.result).inc()
             log.info(
-                "webhook.rejected", source=source, message_id=message_id,
-                status=rejected.status_code, reason=str(rejected),
-            )  # fmt: skip
+                "webhook.rejected",
+                source=source,
+                message_id=message_id,
+                status=rejected.status_code,
+                reason=str(rejected),
+            )
             return JSONResponse({"error": str(rejected)}, status_code=rejected.status_code)
         order_id, period = event.key()
         entry = Entry(
-            source, event.id, signed.message_id, event.type, event.data.object.id,
-            event.data.object.revision, order_id, period, body.decode(),
-        )  # fmt: skip
+            source,
+            event.id,
+            signed.message_id,
+            event.type,
+            event.data.object.id,
+            event.data.object.revision,
+            order_id,
+            period,
+            body.decode(),
+        )
         try:
             async with asyncio.timeout(JOURNAL_BUDGET_S):
                 new = await inbox.journal(entry)
@@ -154,13 +163,16 @@ def receiver(
         except (TimeoutError, DependencyUnavailable) as error:
             metrics.deliveries.labels(source, "unavailable").inc()
             log.warning(
-                "webhook.not_journaled", source=source, event_id=event.id,
+                "webhook.not_journaled",
+                source=source,
+                event_id=event.id,
                 error=f"{type(error).__name__}: {error}",
-            )  # fmt: skip
+            )
             return JSONResponse(
-                {"error": "the journal is unavailable; retry"}, status_code=503,
+                {"error": "the journal is unavailable; retry"},
+                status_code=503,
                 headers={"Retry-After": "1"},
-            )  # fmt: skip
+            )
         metrics.deliveries.labels(source, "journaled" if new else "duplicate").inc()
         if new:
             on_journaled()
@@ -168,10 +180,15 @@ def receiver(
             metrics.duplicates.labels(source).inc()
         metrics.journal_seconds.observe(time.perf_counter() - started)
         log.info(
-            "webhook.received", source=source, event_id=event.id, message_id=signed.message_id,
-            type=event.type, charge_id=event.data.object.id,
-            revision=event.data.object.revision, duplicate=not new,
-        )  # fmt: skip
+            "webhook.received",
+            source=source,
+            event_id=event.id,
+            message_id=signed.message_id,
+            type=event.type,
+            charge_id=event.data.object.id,
+            revision=event.data.object.revision,
+            duplicate=not new,
+        )
         return JSONResponse({"received": event.id, "duplicate": not new})
 
     return receive

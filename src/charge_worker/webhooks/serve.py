@@ -22,22 +22,21 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from charge_worker import event_loop
+from charge_worker import event_loop, http
+from charge_worker.database import create_pool, not_answering
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import create_pool
 from charge_worker.settings import Settings
 from charge_worker.webhooks.inbox import Inbox
 from charge_worker.webhooks.metrics import WebhookMetrics
 from charge_worker.webhooks.processor import Processor, ProcessorTuning
 from charge_worker.webhooks.receiver import receiver
 from charge_worker.webhooks.signature import Verifier
-from charge_worker.worker.health import DB_PROBE_TIMEOUT_S, WEDGED_AFTER_S, Server, listen
 
 log = structlog.get_logger(__name__)
 SOURCE = "gateway"
@@ -75,7 +74,7 @@ async def run_webhooks(
     metrics = WebhookMetrics(registry or CollectorRegistry(), source=SOURCE)
     async with contextlib.AsyncExitStack() as resources:
         listener = resources.enter_context(
-            listen(cfg.webhook_host, cfg.webhook_port, setting="CHARGE_WORKER_WEBHOOK_PORT")
+            http.listen(cfg.webhook_host, cfg.webhook_port, setting="CHARGE_WORKER_WEBHOOK_PORT")
         )
         gateway = GatewayClient(settings.gateway)
         resources.push_async_callback(gateway.aclose)
@@ -85,9 +84,13 @@ async def run_webhooks(
         processor_pool = await create_pool(settings.db.model_copy(update=small))
         resources.push_async_callback(processor_pool.close)
         processor = Processor(
-            Inbox(processor_pool), gateway, metrics,
-            owner=owner, retention_s=cfg.webhook_retention_s, tuning=tuning,
-        )  # fmt: skip
+            Inbox(processor_pool),
+            gateway,
+            metrics,
+            owner=owner,
+            retention_s=cfg.webhook_retention_s,
+            tuning=tuning,
+        )
         endpoint = receiver(
             source=SOURCE,
             verifier=verifier,
@@ -96,13 +99,7 @@ async def run_webhooks(
             max_bytes=cfg.webhook_max_bytes,
             on_journaled=processor.wake,
         )
-        server = Server(
-            uvicorn.Config(
-                _app(endpoint, metrics.registry, processor, receiver_pool, stop),
-                host=cfg.webhook_host, port=cfg.webhook_port, log_level="warning",
-                access_log=False, lifespan="off",
-            )
-        )  # fmt: skip
+        server = http.server(_app(endpoint, metrics.registry, processor, receiver_pool, stop))
         port = listener.getsockname()[1]
         log.info("webhooks.started", port=port, owner=owner)
         ready = Receiving(port, processor)
@@ -144,29 +141,17 @@ def _app(
     pool: asyncpg.Pool,
     stop: asyncio.Event,
 ) -> Starlette:
-    async def scrape(_: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def wedged() -> str | None:
+        if time.monotonic() - processor.last_tick < http.WEDGED_AFTER_S:
+            return None
+        return f"processor loop wedged for over {http.WEDGED_AFTER_S:g}s"
 
-    async def healthz(_: Request) -> Response:
-        if time.monotonic() - processor.last_tick < WEDGED_AFTER_S:
-            return PlainTextResponse("ok")
-        return PlainTextResponse(f"processor loop wedged for over {WEDGED_AFTER_S:g}s", 503)
+    async def not_ready() -> str | None:
+        return "stopping" if stop.is_set() else await not_answering(pool)
 
-    async def readyz(_: Request) -> Response:
-        if stop.is_set():
-            return PlainTextResponse("stopping", 503)
-        try:
-            async with asyncio.timeout(DB_PROBE_TIMEOUT_S):
-                await pool.fetchval("SELECT 1")
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-            return PlainTextResponse(f"PostgreSQL not answering: {type(error).__name__}", 503)
-        return PlainTextResponse("ready")
-
-    return Starlette(
-        routes=[
-            Route(f"/webhooks/{SOURCE}", endpoint, methods=["POST"]),
-            Route("/metrics", scrape),
-            Route("/healthz", healthz),
-            Route("/readyz", readyz),
-        ]
+    return http.probes_app(
+        registry,
+        wedged=wedged,
+        not_ready=not_ready,
+        routes=[Route(f"/webhooks/{SOURCE}", endpoint, methods=["POST"])],
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from charge_worker.errors import ChargeWorkerError, SettingsError
+from charge_worker.errors import MalformedDelivery, SettingsError, UnauthenticDelivery
 from charge_worker.settings import WebhookSettings
 
 LIBRARY_TOLERANCE_S = 300.0  # standardwebhooks 1.1 checks this itself
@@ -35,31 +35,6 @@ _ID = re.compile(r"[\x21-\x7e]{1,255}")
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _SIGNATURE = re.compile(r"v[0-9]+[a-z]?,[A-Za-z0-9+/]+={0,2}")
 _SECRETS_ENV = "CHARGE_WORKER_WEBHOOK_SECRETS"
-
-
-class DeliveryRejected(ChargeWorkerError):
-    """A webhook delivery refused before anything was recorded; `status_code` is the answer."""
-
-    status_code = 400
-    result = "malformed"
-
-
-class MalformedDelivery(DeliveryRejected):
-    """Missing or malformed headers or body."""
-
-
-class UnauthenticDelivery(DeliveryRejected):
-    """No valid signature, or a timestamp too far from now."""
-
-    status_code = 401
-    result = "unauthorized"
-
-
-class DeliveryTooLarge(DeliveryRejected):
-    """The body is over the configured limit."""
-
-    status_code = 413
-    result = "too_large"
 
 
 @dataclass(frozen=True)

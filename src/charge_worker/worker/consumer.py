@@ -1,47 +1,42 @@
-"""The pull loop: fetch to free capacity, process with bounded concurrency, settle, drain.
+"""The pull loop: fetch to free capacity, process with bounded concurrency, act, drain.
 
 A fetched message's AckWait clock is already running, so the loop fetches only as many
-messages as it has free slots. While a message is processed it sends `+WPI` every
-heartbeat interval, up to the processing budget. `_settle` is the one place that acks,
-naks or terminates. While the gateway's breaker is open nothing is fetched (messages wait
-in the stream and spend no deliveries); a cheap probe closes it again. On stop: no more
-fetches, in-flight work gets `drain_s` to finish, and anything cancelled is left un-acked
-for JetStream to redeliver.
+messages as it has free slots. Each message goes one way (`_handle`): the pipeline
+processes it under a heartbeat (`+WPI`), `decisions.decide` says what to do, the pipeline
+records it, and `_act` is the one place that acks, naks, requeues or terminates. While the
+gateway's breaker is open nothing is fetched (messages wait in the stream and spend no
+deliveries); a cheap probe closes it again. On stop: no more fetches, in-flight work gets
+`drain_s` to finish, and anything cancelled is left un-acked for JetStream to redeliver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import Mapping
 
-import asyncpg
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from charge_worker import events
 from charge_worker.dlq import DeadLetters
-from charge_worker.errors import ChargeWorkerError, PoisonMessage
+from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
 from charge_worker.http import open_for_s
-from charge_worker.ledger import Ledger
-from charge_worker.messages import parse
 from charge_worker.settings import Settings
 from charge_worker.worker.decisions import (
-    EXHAUSTED_HEADER,
     Action,
     DeadLetter,
     Nak,
     Outcome,
+    Policy,
     Requeue,
-    after_deliveries_ran_out,
     decide,
     describe,
 )
+from charge_worker.worker.failpoints import Failpoints
+from charge_worker.worker.heartbeat import Heartbeat
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
@@ -57,17 +52,18 @@ class Consumer:
         js: JetStreamContext,
         pipeline: Pipeline,
         dead_letters: DeadLetters,
-        ledger: Ledger,
         gateway: GatewayClient,
         metrics: Metrics,
+        failpoints: Failpoints,
     ) -> None:
         self.settings = settings
+        self.policy = Policy.of(settings)
         self.js = js
         self.pipeline = pipeline
         self.dead_letters = dead_letters
-        self.ledger = ledger
         self.gateway = gateway
         self.metrics = metrics
+        self.failpoints = failpoints
         self.in_flight: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
         self.last_tick = time.monotonic()  # /healthz: the loop turns at least every second
@@ -131,70 +127,58 @@ class Consumer:
         return False
 
     async def _handle(self, msg: Msg, fetched_at: float) -> None:
-        meta = msg.metadata
-        headers = msg.headers or {}
-        delivery = Delivery(
-            data=msg.data,
-            stream_seq=meta.sequence.stream,
-            num_delivered=meta.num_delivered,
-            traceparent=headers.get("traceparent"),
-            replayed=headers.get("Nats-Msg-Id", "").startswith("replay:"),
-        )
+        """One message, one way: process, decide, record, act, account."""
+        delivery = _delivery(msg)
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()
         structlog.contextvars.bind_contextvars(
             stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
         )
         self.metrics.in_flight.inc()
-        heartbeat = _Heartbeat(
+        heartbeat = Heartbeat(
             msg, self.settings.heartbeat_s, self.settings.worker.processing_budget_s, self.metrics
         )
         try:
-            processed = await self.pipeline.process(delivery)
+            with heartbeat:
+                processed = await self.pipeline.process(delivery)
+                action = await conclude(self.pipeline, processed, self.policy)
         finally:
-            heartbeat.stop()
             self.metrics.in_flight.dec()
-        action = decide(
-            processed.result,
-            delivery.num_delivered,
-            max_deliver=self.settings.nats.max_deliver,
-            backoff_s=self.settings.nats.backoff_s,
-            ack_wait_s=self.settings.nats.ack_wait_s,
-        )
-        action = await self._settle(msg, delivery, processed, action)
-        self._account(delivery, processed, action, time.monotonic() - fetched_at)
-        await self._record(processed, action)
+        done = await self._act(msg, delivery, processed, action)
+        if done != action:  # a dead letter or copy could not be written: the story says so
+            await self.pipeline.record(processed, done)
+        self._account(delivery, processed, done, time.monotonic() - fetched_at)
 
-    async def _settle(
+    async def _act(
         self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
     ) -> Action:
-        """The one place that acks, naks, requeues or terminates. Returns what was done."""
+        """The one place that acks, naks, requeues or terminates. Returns what was done: a
+        dead letter or a requeue that cannot be written becomes a nak (nothing is dropped)."""
         try:
+            if isinstance(action, DeadLetter | Requeue):
+                action = await self._hand_over(msg, delivery, processed, action)
             if isinstance(action, DeadLetter):
-                action = await self._dead_letter(msg, delivery, processed, action)
-            elif isinstance(action, Requeue):
-                action = await self._requeue(msg, delivery)
-            if isinstance(action, DeadLetter):
-                self.pipeline.failpoints.hit("after_dead_letter_before_term")
+                self.failpoints.hit("after_dead_letter_before_term")
                 await msg.term()
             elif isinstance(action, Nak):
                 await msg.nak(delay=action.delay_s)
             else:
-                self.pipeline.failpoints.hit("after_commit_before_ack")
+                self.failpoints.hit("after_commit_before_ack")
                 await msg.ack()
         except nats.errors.Error as error:
             # the connection is down: JetStream redelivers after AckWait; the ledger decides
             log.warning("consumer.settle_failed", error=repr(error))
         return action
 
-    async def _dead_letter(
-        self, msg: Msg, delivery: Delivery, processed: Processed, action: DeadLetter
+    async def _hand_over(
+        self, msg: Msg, delivery: Delivery, processed: Processed, action: DeadLetter | Requeue
     ) -> Action:
-        """Write the dead letter; if that fails, nak: a message is never dropped."""
-        if processed.claim is not None and action.reason == "max_deliveries":
-            with contextlib.suppress(ChargeWorkerError):
-                await self.ledger.give_up(processed.claim, "dead-lettered: max_deliveries")
+        """Write the dead letter, or the fresh copy whose deliveries are unspent."""
         try:
+            if isinstance(action, Requeue):
+                await self.dead_letters.requeue(msg.data, msg.headers, from_seq=delivery.stream_seq)
+                self.metrics.requeues.inc()
+                return action
             await self.dead_letters.write(
                 msg.data,
                 reason=action.reason,
@@ -204,87 +188,11 @@ class Consumer:
                 original=msg.headers,
             )
         except ChargeWorkerError as error:
-            log.error("dlq.write_failed", error=str(error))
+            # a requeue left undone is picked up by the advisory and by reconcile
+            log.error("dlq.write_failed", action=describe(action)["action"], error=str(error))
             return Nak(self.settings.nats.ack_wait_s)
         self.metrics.dead_letters.labels(action.reason).inc()
         return action
-
-    async def _requeue(self, msg: Msg, delivery: Delivery) -> Action:
-        """Publish a fresh copy (its deliveries unspent), then the original may be acked."""
-        try:
-            await self._publish_copy(msg.data, msg.headers, delivery.stream_seq)
-        except (nats.errors.Error, TimeoutError) as error:
-            # out of deliveries either way: the advisory and reconcile pick the charge up
-            log.error("consumer.requeue_failed", error=repr(error))
-            return Nak(self.settings.nats.ack_wait_s)
-        return Requeue()
-
-    async def _publish_copy(
-        self, body: bytes, headers: Mapping[str, str] | None, stream_seq: int
-    ) -> None:
-        copy = {k: v for k, v in (headers or {}).items() if k != "Nats-Msg-Id"}
-        copy["Nats-Msg-Id"] = f"requeue:{stream_seq}"  # one copy, however many workers try
-        copy["Charge-Requeued-From"] = str(stream_seq)
-        await self.js.publish(self.settings.nats.subject, body, headers=copy, timeout=5)
-        self.metrics.requeues.inc()
-
-    async def on_max_deliveries(self, advisory: Msg) -> None:
-        """JetStream's MAX_DELIVERIES advisory: a last delivery died with its worker.
-
-        Every worker hears it; the requeue's and the dead letter's `Nats-Msg-Id` keep it to
-        one copy and one letter. See `decisions.after_deliveries_ran_out`.
-        """
-        event = json.loads(advisory.data)
-        seq = int(event["stream_seq"])
-        stored = await self.dead_letters.stream_copy(seq)
-        if stored is None:
-            return
-        body, headers = stored.data or b"", dict(stored.headers or {})
-        try:
-            charge = parse(body)
-        except PoisonMessage:
-            status, valid = None, False
-        else:
-            status, valid = (
-                await self.ledger.status_of(charge.order_id, charge.billing_period),
-                True,
-            )
-        exhausted = _count(headers.get(EXHAUSTED_HEADER))
-        verdict = after_deliveries_ran_out(status, valid=valid, exhausted=exhausted)
-        log.warning(
-            "consumer.deliveries_ran_out",
-            stream_seq=seq, ledger_status=status, exhausted=exhausted, verdict=verdict,
-        )  # fmt: skip
-        self.metrics.exhausted.labels(verdict).inc()
-        if verdict == "requeue":
-            await self._publish_copy(body, headers | {EXHAUSTED_HEADER: str(exhausted + 1)}, seq)
-        elif verdict == "dead_letter":
-            await self.dead_letters.write(
-                body,
-                reason="max_deliveries",
-                error=f"deliveries ran out unsettled, {exhausted + 1} time(s) (advisory)",
-                stream_seq=seq,
-                num_delivered=int(event.get("deliveries", 0)),
-                original=stored.headers,
-            )
-            self.metrics.dead_letters.labels("max_deliveries").inc()
-
-    async def _record(self, processed: Processed, action: Action) -> None:
-        """Append this delivery to the charge's story (a final one went with the settle)."""
-        charge = processed.charge
-        if charge is None or processed.recorded:  # a poison message has no charge
-            return
-        try:
-            await events.record(
-                self.ledger.pool,
-                charge.order_id,
-                charge.billing_period,
-                "delivery",
-                self.pipeline.owner,
-                **processed.story(action),
-            )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-            log.warning("events.write_failed", error=repr(error))
 
     def _account(
         self, delivery: Delivery, processed: Processed, action: Action, seconds: float
@@ -312,43 +220,29 @@ class Consumer:
         structlog.contextvars.clear_contextvars()
 
 
-class _Heartbeat:
-    """`+WPI` every `interval_s` while a message is processed, up to `budget_s`.
+async def conclude(pipeline: Pipeline, processed: Processed, policy: Policy) -> Action:
+    """Decide what a processed delivery comes to, and record it; decide again when the
+    ledger refused to write the final state found (another worker owns the charge now)."""
+    action = decide(processed.result, processed.delivery.num_delivered, policy)
+    if (refused := await pipeline.record(processed, action)) is not None:
+        processed.result = refused
+        action = decide(refused, processed.delivery.num_delivered, policy)
+        await pipeline.record(processed, action)
+    return action
 
-    A timer rather than a task per message: most charges finish before the first beat and
-    then cost one cancelled timer.
-    """
 
-    def __init__(self, msg: Msg, interval_s: float, budget_s: float, metrics: Metrics) -> None:
-        self.msg, self.interval_s, self.metrics = msg, interval_s, metrics
-        self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + budget_s
-        self.timer = self.loop.call_later(interval_s, self._beat)
-        self.sending: asyncio.Task[None] | None = None
-
-    def _beat(self) -> None:
-        if self.loop.time() >= self.deadline:
-            return
-        if self.sending is None or self.sending.done():  # one `+WPI` in flight at a time
-            self.sending = self.loop.create_task(self._send())
-        self.timer = self.loop.call_later(self.interval_s, self._beat)
-
-    async def _send(self) -> None:
-        with contextlib.suppress(nats.errors.Error):
-            await self.msg.in_progress()
-            self.metrics.heartbeats.inc()
-
-    def stop(self) -> None:
-        self.timer.cancel()
-        if self.sending is not None:
-            self.sending.cancel()
+def _delivery(msg: Msg) -> Delivery:
+    meta = msg.metadata
+    headers = msg.headers or {}
+    return Delivery(
+        data=msg.data,
+        stream_seq=meta.sequence.stream,
+        num_delivered=meta.num_delivered,
+        traceparent=headers.get("traceparent"),
+        replayed=headers.get("Nats-Msg-Id", "").startswith("replay:"),
+    )
 
 
 def _trace_id(traceparent: str | None) -> str | None:
     parts = (traceparent or "").split("-")
     return parts[1] if len(parts) >= 4 else None
-
-
-def _count(header: str | None) -> int:
-    """A non-negative count from a header someone else may have written; junk counts as 0."""
-    return int(header) if header and header.isdigit() else 0

@@ -10,7 +10,8 @@
 
 The delay of a retryable outcome is the one it carries (the gateway's `Retry-After`, the
 time left on another worker's lease), or else the consumer's backoff step for this delivery,
-so a nak waits as long as an ack timeout would have.
+so a nak waits as long as an ack timeout would have. A charge call whose answer was lost
+keeps its lease, so its retry waits the lease out: by then the call has surely ended.
 
 Why requeue: a gateway that rate-limits, is down, or has not answered is no fault of the
 message, and every nak spends a delivery. Dead-lettering a valid due charge for that would
@@ -37,6 +38,7 @@ from enum import StrEnum
 from typing import Literal
 
 from charge_worker import errors
+from charge_worker.settings import Settings
 
 
 class Outcome(StrEnum):
@@ -63,11 +65,16 @@ PERMANENT = frozenset({Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED})
 
 @dataclass(frozen=True)
 class Result:
-    """An outcome, with the delay it asks for and a one-line cause when it is not final."""
+    """An outcome, with the delay it asks for and a one-line cause when it is not final.
+
+    `call_in_flight`: this delivery's charge call may still be running at the gateway (its
+    answer was lost or it crashed after sending); the lease is kept until it is over.
+    """
 
     outcome: Outcome
     retry_after_s: float | None = None
     error: str | None = None
+    call_in_flight: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,33 +99,32 @@ class Requeue:
 
 Action = Ack | Nak | DeadLetter | Requeue
 
-_BY_ERROR: list[tuple[type[errors.ChargeWorkerError], Outcome]] = [
-    (errors.PoisonMessage, Outcome.POISON),
-    (errors.PayloadConflict, Outcome.CONFLICT),
-    (errors.PermanentError, Outcome.REJECTED),
-    (errors.OutcomeUnknown, Outcome.OUTCOME_UNKNOWN),
-    (errors.RequestInProgress, Outcome.IN_PROGRESS),
-    (errors.RateLimited, Outcome.RATE_LIMITED),
-    (errors.LeaseHeld, Outcome.LEASE_HELD),
-    (errors.TransientError, Outcome.UNAVAILABLE),
-    (errors.AlreadySettled, Outcome.DUPLICATE),
-]
+
+def result_of(error: errors.ChargeWorkerError, *, call_in_flight: bool = False) -> Result:
+    """The result a domain error stands for: the outcome its class names (see `errors`)."""
+    retry = error.retry_after_s if isinstance(error, errors.TransientError) else None
+    return Result(Outcome(error.outcome), retry, str(error), call_in_flight)
 
 
-def result_of(error: errors.ChargeWorkerError) -> Result:
-    """The result a domain error stands for (the most specific class wins)."""
-    for cls, outcome in _BY_ERROR:
-        if isinstance(error, cls):
-            retry = error.retry_after_s if isinstance(error, errors.TransientError) else None
-            return Result(outcome, retry, str(error))
-    return Result(Outcome.UNAVAILABLE, None, str(error))
+@dataclass(frozen=True)
+class Policy:
+    """The consumer's shape that decisions depend on (from the settings)."""
 
+    max_deliver: int
+    backoff_s: tuple[float, ...]
+    ack_wait_s: float
+    lease_s: float
 
-def backoff_delay(delivery: int, backoff_s: tuple[float, ...], ack_wait_s: float) -> float:
-    """The consumer's backoff step for this delivery (the last step repeats)."""
-    if not backoff_s:
-        return ack_wait_s
-    return backoff_s[min(max(delivery, 1), len(backoff_s)) - 1]
+    @classmethod
+    def of(cls, settings: Settings) -> Policy:
+        nats = settings.nats
+        return cls(nats.max_deliver, nats.backoff_s, nats.ack_wait_s, settings.worker.lease_s)
+
+    def backoff_delay(self, delivery: int) -> float:
+        """The consumer's backoff step for this delivery (the last step repeats)."""
+        if not self.backoff_s:
+            return self.ack_wait_s
+        return self.backoff_s[min(max(delivery, 1), len(self.backoff_s)) - 1]
 
 
 def describe(action: Action) -> dict[str, object]:
@@ -130,24 +136,19 @@ def describe(action: Action) -> dict[str, object]:
     }
 
 
-def decide(
-    result: Result,
-    delivery: int,
-    *,
-    max_deliver: int,
-    backoff_s: tuple[float, ...],
-    ack_wait_s: float,
-) -> Action:
+def decide(result: Result, delivery: int, policy: Policy) -> Action:
     """The one mapping from a delivery's result to what JetStream is told."""
     if result.outcome in FINAL:
         return Ack()
     if result.outcome in PERMANENT:
         return DeadLetter(result.outcome.value)
-    if delivery >= max_deliver:
+    if delivery >= policy.max_deliver:
         return DeadLetter("max_deliveries") if result.outcome is Outcome.CRASHED else Requeue()
+    if result.call_in_flight and result.outcome is Outcome.OUTCOME_UNKNOWN:
+        return Nak(policy.lease_s)  # the lease outlives the call: retry once both are over
     if result.retry_after_s is not None:
         return Nak(max(result.retry_after_s, 0.0))
-    return Nak(backoff_delay(delivery, backoff_s, ack_wait_s))
+    return Nak(policy.backoff_delay(delivery))
 
 
 MAX_EXHAUSTIONS = 3  # copies of one message that may run out of deliveries unsettled

@@ -1,4 +1,4 @@
-"""The worker's HTTP surface and what it reports: /metrics, /healthz, /readyz.
+"""What the worker reports about itself: `/healthz`, `/readyz`, and the consumer's gauges.
 
 `/healthz` answers "is the pull loop alive?": it fails only when the loop has not turned
 for `WEDGED_AFTER_S` (a hung process a restart would cure). `/readyz` answers "should this
@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import asyncpg
 import nats.errors
 import nats.js.errors
-import uvicorn
 from nats.aio.client import Client
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
 
-from charge_worker.errors import SettingsError
+from charge_worker.database import not_answering
+from charge_worker.http import WEDGED_AFTER_S
 from charge_worker.settings import NatsSettings
 from charge_worker.worker.metrics import Metrics
-
-WEDGED_AFTER_S = 60.0
-DB_PROBE_TIMEOUT_S = 2.0
 
 
 class Health:
@@ -48,40 +39,19 @@ class Health:
         self.nc = nc
         self.pool = pool
 
-    def alive(self, now: float | None = None) -> bool:
-        """False once the pull loop has not turned for WEDGED_AFTER_S."""
-        return (now or time.monotonic()) - self.last_tick() < WEDGED_AFTER_S
+    def wedged(self, now: float | None = None) -> str | None:
+        """Why this process needs a restart (the pull loop stopped turning), or None."""
+        if (now or time.monotonic()) - self.last_tick() < WEDGED_AFTER_S:
+            return None
+        return f"pull loop wedged for over {WEDGED_AFTER_S:g}s"
 
-    async def not_ready_because(self) -> str | None:
+    async def not_ready(self) -> str | None:
         """Why this pod should get no work now, or None when it should."""
         if not self.consuming():
             return "consumer not bound or draining"
         if not self.nc.is_connected:
             return "not connected to NATS"
-        try:
-            async with asyncio.timeout(DB_PROBE_TIMEOUT_S):
-                await self.pool.fetchval("SELECT 1")
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-            return f"PostgreSQL not answering: {type(error).__name__}"
-        return None
-
-
-def http_app(metrics: Metrics, health: Health) -> Starlette:
-    async def scrape(_: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def healthz(_: Request) -> Response:
-        if health.alive():
-            return PlainTextResponse("ok")
-        return PlainTextResponse(f"pull loop wedged for over {WEDGED_AFTER_S:g}s", 503)
-
-    async def readyz(_: Request) -> Response:
-        why = await health.not_ready_because()
-        return PlainTextResponse("ready") if why is None else PlainTextResponse(why, 503)
-
-    return Starlette(
-        routes=[Route("/metrics", scrape), Route("/healthz", healthz), Route("/readyz", readyz)]
-    )
+        return await not_answering(self.pool)
 
 
 async def report_consumer_stats(
@@ -100,20 +70,3 @@ async def report_consumer_stats(
             metrics.dlq_messages.set(dlq.state.messages)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
-
-
-class Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the command owns SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def listen(host: str, port: int, *, setting: str) -> socket.socket:
-    """Bind now, so a taken port fails at start naming `setting`, and port 0 is known at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family)
-    except OSError as error:
-        raise SettingsError(f"{setting}: cannot listen on {host}:{port}: {error}") from error

@@ -17,9 +17,11 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.messages = Counter(
-            f"{PREFIX}_messages", "Deliveries processed, by outcome and action.",
-            ["outcome", "action"], registry=registry,
-        )  # fmt: skip
+            f"{PREFIX}_messages",
+            "Deliveries processed, by outcome and action.",
+            ["outcome", "action"],
+            registry=registry,
+        )
         self.redeliveries = Counter(
             f"{PREFIX}_redeliveries", "Deliveries seen with num_delivered > 1.", registry=registry
         )
@@ -32,21 +34,29 @@ class Metrics:
             f"{PREFIX}_charges", "Charges settled, by result.", ["result"], registry=registry
         )
         self.gateway_calls = Counter(
-            f"{PREFIX}_gateway_calls", "Charge calls to the gateway, by result.", ["result"],
+            f"{PREFIX}_gateway_calls",
+            "Charge calls to the gateway, by result.",
+            ["result"],
             registry=registry,
-        )  # fmt: skip
+        )
         self.scoring = Counter(
-            f"{PREFIX}_scoring", "Scoring calls by result (approve, block, failed_<policy>).",
-            ["result"], registry=registry,
-        )  # fmt: skip
-        self.deferred_checks = Counter(
-            f"{PREFIX}_deferred_checks_resolved", "Deferred scoring checks resolved, by verdict.",
-            ["verdict"], registry=registry,
-        )  # fmt: skip
-        self.dead_letters = Counter(
-            f"{PREFIX}_dead_letters", "Dead letters written, by reason.", ["reason"],
+            f"{PREFIX}_scoring",
+            "Scoring calls by result (approve, block, failed_<policy>).",
+            ["result"],
             registry=registry,
-        )  # fmt: skip
+        )
+        self.deferred_checks = Counter(
+            f"{PREFIX}_deferred_checks_resolved",
+            "Deferred scoring checks resolved, by verdict.",
+            ["verdict"],
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            f"{PREFIX}_dead_letters",
+            "Dead letters written, by reason.",
+            ["reason"],
+            registry=registry,
+        )
         self.requeues = Counter(
             f"{PREFIX}_requeues",
             "Messages out of deliveries for a dependency's fault, republished as a fresh copy.",
@@ -56,15 +66,18 @@ class Metrics:
             f"{PREFIX}_deliveries_exhausted",
             "Messages whose last delivery died with its worker (the MAX_DELIVERIES advisory), "
             "by what became of them: forget (settled already), requeue, dead_letter.",
-            ["verdict"], registry=registry,
-        )  # fmt: skip
+            ["verdict"],
+            registry=registry,
+        )
         self.heartbeats = Counter(
             f"{PREFIX}_heartbeats", "In-progress acks (+WPI) sent.", registry=registry
         )
         self.breaker_open = Gauge(
-            f"{PREFIX}_breaker_open", "1 while a dependency's circuit breaker is not closed.",
-            ["dependency"], registry=registry,
-        )  # fmt: skip
+            f"{PREFIX}_breaker_open",
+            "1 while a dependency's circuit breaker is not closed.",
+            ["dependency"],
+            registry=registry,
+        )
         self.in_flight = Gauge(
             f"{PREFIX}_in_flight", "Messages being processed now.", registry=registry
         )
@@ -85,10 +98,11 @@ class Metrics:
             registry=registry,
         )
         self.processing = Histogram(
-            f"{PREFIX}_processing_seconds", "Time from fetch to settle of one delivery.",
+            f"{PREFIX}_processing_seconds",
+            "Time from fetch to settle of one delivery.",
             registry=registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-        )  # fmt: skip
+        )
 
     def watch(self, breaker: pybreaker.CircuitBreaker) -> None:
         """Keep `charge_worker_breaker_open{dependency=<breaker name>}` in step with it."""

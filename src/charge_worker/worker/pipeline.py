@@ -1,30 +1,35 @@
-"""What happens to one delivery: parse, claim, look up, score, charge, record.
+"""What happens to one delivery: parse, claim, look up, score, charge; then record it.
 
-It returns a `Result` (decisions.py decides what JetStream is told; consumer.py tells it)
-and never touches the message itself. The claim in the ledger comes before any side
-effect; the gateway's idempotency key is the second barrier; a row whose earlier gateway
-call has no recorded outcome is looked up before anything is sent again.
+`process` turns a delivery into a `Processed`: its result, and the final state it found for
+the charge (a `Settlement`) still to be written. `decisions.decide` maps the result to an
+action, and `record` is the one place that writes what the delivery came to: the final
+state, or staying pending, or giving up, each with the delivery's event, in one statement.
+Neither touches the message itself (consumer.py does).
+
+The claim in the ledger comes before any side effect; the gateway's idempotency key is the
+second barrier; a row whose earlier gateway call has no recorded outcome is looked up
+before anything is sent again.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Literal
 
 import structlog
 
-from charge_worker.errors import (
-    ChargeWorkerError,
-    GatewayRejected,
-    OutcomeUnknown,
-    TransientError,
-)
+from charge_worker.errors import ChargeWorkerError, NoVerdict, OutcomeUnknown
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import Claim, FinalStatus, Ledger, Scoring
+from charge_worker.ledger import Claim, Ledger, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
-from charge_worker.worker.decisions import FINAL, Ack, Action, Outcome, Result, describe, result_of
+from charge_worker.worker.decisions import (
+    Action,
+    DeadLetter,
+    Outcome,
+    Result,
+    describe,
+    result_of,
+)
 from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
 
@@ -50,9 +55,10 @@ class Processed:
     delivery: Delivery
     charge: ChargeDue | None = None
     claim: Claim | None = None
-    gateway_called: bool = False
+    settlement: Settlement | None = None  # the final state found, not written yet
+    called: bool = False  # the charge call was sent: a charge may be in flight
+    state_written: bool = False  # the ledger write was made (or refused): events only now
     notes: dict[str, object] = field(default_factory=dict)
-    recorded: bool = False  # the `delivery` event was written with the settle
 
     def story(self, action: Action) -> dict[str, object]:
         """The `delivery` event: what this delivery came to and what JetStream was told."""
@@ -78,14 +84,14 @@ class Pipeline:
         *,
         owner: str,
         metrics: Metrics,
-        failpoints: Failpoints | None = None,
+        failpoints: Failpoints,
     ) -> None:
         self.metrics = metrics
         self.ledger = ledger
         self.gateway = gateway
         self.scoring = scoring
         self.owner = owner
-        self.failpoints = failpoints or Failpoints()
+        self.failpoints = failpoints
 
     async def process(self, delivery: Delivery) -> Processed:
         """Run one delivery to a result. Nothing escapes: errors become results."""
@@ -96,129 +102,133 @@ class Pipeline:
                 done.charge, self.owner, delivery.stream_seq, revive_failed=delivery.replayed
             )
             self.failpoints.hit("after_claim")
-            done.result = await self._charge(done)
+            done.result = await self._charge(done, done.charge, done.claim)
         except ChargeWorkerError as error:
-            done.result = result_of(error)
-            if isinstance(error, TransientError):
-                await self._retry_later(done, str(error), isinstance(error, OutcomeUnknown))
+            unknown = isinstance(error, OutcomeUnknown)  # only the charge call raises it then
+            done.result = result_of(error, call_in_flight=unknown and done.called)
         except Exception as error:  # a bug must neither kill the loop nor go silent
             log.exception("charge.crashed")
-            done.result = Result(Outcome.CRASHED, error=f"unexpected: {error!r}")
-            await self._retry_later(done, done.result.error or "", done.gateway_called)
+            done.result = Result(
+                Outcome.CRASHED, error=f"unexpected: {error!r}", call_in_flight=done.called
+            )
         return done
 
-    async def _retry_later(self, done: Processed, error: str, keep_lease: bool) -> None:
-        """Stay pending. Keep the lease only while a gateway call may still be in flight."""
-        if done.claim is None:
-            return
-        # if the ledger is down too, the lease expires by itself and a redelivery takes over
-        with contextlib.suppress(ChargeWorkerError):
-            await self.ledger.retry_later(done.claim, error, keep_lease=keep_lease)
+    async def record(self, done: Processed, action: Action) -> Result | None:
+        """Write what this delivery came to, with its event, in one statement.
 
-    async def _charge(self, done: Processed) -> Result:
-        charge, claim, traceparent = done.charge, done.claim, done.delivery.traceparent
-        assert charge is not None
-        assert claim is not None
+        A final state found goes with an ack or dead letter; a retry stays pending (the
+        lease kept while a call may be in flight); the last delivery gives up. Returns the
+        result that replaces `done.result` when the ledger refused to write a final state
+        (decide again, then record that); else None. Once the state is written (or refused),
+        a later call for the same delivery only appends its event.
+        """
+        if done.charge is None:  # poison: no charge to tell the story of
+            return None
+        story = done.story(action)
+        if done.claim is not None and not done.state_written:
+            done.state_written = True
+            try:
+                await self._write(done, done.claim, action, story)
+            except ChargeWorkerError as error:
+                if done.settlement is not None:
+                    done.settlement = None
+                    return result_of(error)
+                # nothing final was lost: the lease expires by itself, a redelivery goes on
+                log.warning("ledger.write_failed", error=str(error))
+            else:
+                return None
+        try:
+            await self.ledger.tell(done.charge, self.owner, story)
+        except ChargeWorkerError as error:
+            log.warning("events.write_failed", error=str(error))
+        return None
+
+    async def _write(
+        self, done: Processed, claim: Claim, action: Action, story: dict[str, object]
+    ) -> None:
+        if done.settlement is not None:
+            await self.ledger.settle(claim, done.settlement, story=story)
+        elif isinstance(action, DeadLetter):
+            await self.ledger.give_up(claim, f"dead-lettered: {action.reason}", story=story)
+        else:
+            error = done.result.error or done.result.outcome.value
+            keep = done.result.call_in_flight
+            await self.ledger.retry_later(claim, error, keep_lease=keep, story=story)
+
+    async def _charge(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
         if claim.outcome_unknown:
-            found = await self._resolve_by_lookup(charge, claim)
+            found = await self._look_up(done, charge)
             done.notes["lookup"] = found.outcome.value if found else "nothing"
             if found:
                 return found
         scoring, deferred_reason = claim.scoring, None
         if scoring is None:
-            verdict = await self.scoring.score(
-                order_id=charge.order_id,
-                customer_id=charge.customer_id,
-                amount_minor=charge.amount_minor,
-                currency=charge.currency,
-                traceparent=traceparent,
-            )
-            done.notes["scoring"] = _scoring_label(verdict, self.scoring.policy)
-            if isinstance(verdict, ScoringFailure):
-                done.notes["scoring_error"] = verdict.reason
-            self.metrics.scoring.labels(done.notes["scoring"]).inc()
-            self.failpoints.hit("after_scoring")
+            verdict = await self._score(done, charge)
             if isinstance(verdict, ScoringFailure):
                 if self.scoring.policy == "hold":
-                    raise _NoVerdict(verdict.reason)
+                    raise NoVerdict(verdict.reason)
                 scoring, deferred_reason = "deferred", verdict.reason
             elif verdict.decision == "block":
-                return await self._settle(done, Outcome.BLOCKED, "blocked", scoring="blocked")
+                done.settlement = Settlement("blocked", scoring="blocked")
+                return Result(Outcome.BLOCKED)
             else:
                 scoring = "approved"
         await self.ledger.begin_gateway_call(
             claim, scoring=scoring, deferred_reason=deferred_reason
         )
-        done.gateway_called = True
-        return await self._call_gateway(done, charge, claim)
+        return await self._call_gateway(done, charge)
 
-    async def _call_gateway(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
+    async def _score(self, done: Processed, charge: ChargeDue) -> Verdict | ScoringFailure:
+        verdict = await self.scoring.score(
+            order_id=charge.order_id,
+            customer_id=charge.customer_id,
+            amount_minor=charge.amount_minor,
+            currency=charge.currency,
+            traceparent=done.delivery.traceparent,
+        )
+        label = (
+            f"failed_{self.scoring.policy}"
+            if isinstance(verdict, ScoringFailure)
+            else verdict.decision
+        )
+        done.notes["scoring"] = label
+        if isinstance(verdict, ScoringFailure):
+            done.notes["scoring_error"] = verdict.reason
+        self.metrics.scoring.labels(label).inc()
+        self.failpoints.hit("after_scoring")
+        return verdict
+
+    async def _call_gateway(self, done: Processed, charge: ChargeDue) -> Result:
         self.failpoints.hit("before_gateway_call")
+        done.called = True
         try:
             answer = await self.gateway.charge(charge, traceparent=done.delivery.traceparent)
         except ChargeWorkerError as error:
             self._gateway_answered(done, result_of(error).outcome.value)
-            if isinstance(error, GatewayRejected):
-                await self.ledger.settle(claim, "failed", error=str(error))
-            elif isinstance(error, OutcomeUnknown):
-                # retry once the lease (which outlives this call) has run out
-                raise OutcomeUnknown(str(error), retry_after_s=self.ledger.lease_s) from error
+            if error.outcome == Outcome.REJECTED:
+                done.settlement = Settlement("failed", error=str(error))
             raise
         self._gateway_answered(done, answer.status)
         done.notes.update(charge_id=answer.charge_id, replayed=answer.replayed or None)
         self.failpoints.hit("after_gateway_response_before_commit")
         if answer.status == "succeeded":
-            return await self._settle(
-                done, Outcome.CHARGED, "succeeded", charge_id=answer.charge_id
-            )
-        return await self._settle(done, Outcome.DECLINED, "declined", error=answer.decline_code)
-
-    async def _settle(
-        self,
-        done: Processed,
-        outcome: Outcome,
-        status: FinalStatus | Literal["blocked"],
-        *,
-        charge_id: str | None = None,
-        error: str | None = None,
-        scoring: Scoring | None = None,
-    ) -> Result:
-        """Record a final outcome and this delivery's event in one statement.
-
-        `decide` acks every final outcome, so the event can say so before the ack is sent.
-        """
-        assert done.claim is not None
-        assert outcome in FINAL
-        done.result = Result(outcome)
-        await self.ledger.settle(
-            done.claim, status, charge_id=charge_id, error=error, scoring=scoring,
-            story=done.story(Ack()),
-        )  # fmt: skip
-        done.recorded = True
-        return done.result
+            done.settlement = Settlement("succeeded", charge_id=answer.charge_id)
+            return Result(Outcome.CHARGED)
+        done.settlement = Settlement("declined", error=answer.decline_code)
+        return Result(Outcome.DECLINED)
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
         done.notes["gateway"] = label
         self.metrics.gateway_calls.labels(label).inc()
 
-    async def _resolve_by_lookup(self, charge: ChargeDue, claim: Claim) -> Result | None:
-        """Record what the gateway already did for this key; None if it did nothing."""
+    async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
+        """What the gateway already did for this key, as a result to settle; None if nothing."""
         found = await self.gateway.lookup(charge.order_id, charge.billing_period)
         charged = [c for c in found if c.status in ("succeeded", "refunded")]
         if charged:
-            await self.ledger.settle(claim, "succeeded", charge_id=charged[0].id)
+            done.settlement = Settlement("succeeded", charge_id=charged[0].id)
             return Result(Outcome.CHARGED)
         if any(c.status == "failed" for c in found):
-            await self.ledger.settle(claim, "declined", error="declined (found by lookup)")
+            done.settlement = Settlement("declined", error="declined (found by lookup)")
             return Result(Outcome.DECLINED)
         return None
-
-
-def _scoring_label(verdict: Verdict | ScoringFailure, policy: str) -> str:
-    if isinstance(verdict, ScoringFailure):
-        return f"failed_{policy}"
-    return verdict.decision
-
-
-class _NoVerdict(TransientError):
-    """Scoring gave no verdict and the policy is `hold`: wait for one."""

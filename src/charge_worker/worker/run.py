@@ -7,40 +7,28 @@ SIGTERM and SIGINT only set the stop event; the consumer decides what stopping m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import nats.errors
 import structlog
-import uvicorn
-from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
-from charge_worker import event_loop, streams
+from charge_worker import event_loop, http, streams
+from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
-from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
-from charge_worker.ledger import DeferredChecks, Ledger, create_pool
+from charge_worker.ledger import DeferredChecks, Ledger
 from charge_worker.scoring import ScoringClient
 from charge_worker.settings import Settings
+from charge_worker.worker.advisories import Advisories
 from charge_worker.worker.consumer import Consumer
 from charge_worker.worker.failpoints import Failpoints
-from charge_worker.worker.health import Health, Server, http_app, listen, report_consumer_stats
+from charge_worker.worker.health import Health, report_consumer_stats
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Pipeline
 from charge_worker.worker.rescoring import BATCH, rescore_deferred
 
 log = structlog.get_logger(__name__)
-
-
-def _log_failures(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
-    async def wrapped(msg: Msg) -> None:
-        try:
-            await handler(msg)
-        except (ChargeWorkerError, nats.errors.Error, TimeoutError, ValueError, KeyError) as error:
-            log.error("dlq.advisory_failed", error=repr(error))
-
-    return wrapped
 
 
 @dataclass(frozen=True)
@@ -60,7 +48,7 @@ async def run_worker(
 ) -> None:
     """Run one worker until `stop` is set."""
     failpoints = Failpoints(settings.worker.failpoints)  # a bad spec fails before connecting
-    listener = listen(
+    listener = http.listen(
         settings.http.http_host, settings.http.metrics_port, setting="CHARGE_WORKER_METRICS_PORT"
     )
     owner = event_loop.process_name()
@@ -79,39 +67,28 @@ async def run_worker(
     ledger = Ledger(pool, lease_s=settings.worker.lease_s)
     dead_letters = DeadLetters(js, settings.nats)
     pipeline = Pipeline(
-        ledger,
-        gateway,
-        scoring,
-        owner=owner,
-        metrics=metrics,
-        failpoints=failpoints,
+        ledger, gateway, scoring, owner=owner, metrics=metrics, failpoints=failpoints
     )
     consumer = Consumer(
         settings,
         js=js,
         pipeline=pipeline,
         dead_letters=dead_letters,
-        ledger=ledger,
         gateway=gateway,
         metrics=metrics,
+        failpoints=failpoints,
     )
     health = Health(
         last_tick=lambda: consumer.last_tick, consuming=consumer.ready.is_set, nc=nc, pool=pool
     )
-    server = Server(
-        uvicorn.Config(
-            http_app(metrics, health),  # served on `listener`, bound above
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-        )
+    server = http.server(  # served on `listener`, bound above
+        http.probes_app(metrics.registry, wedged=health.wedged, not_ready=health.not_ready)
     )
     interval_s = settings.worker.deferred_check_interval_s
     # a taken batch stays leased long enough to score all of it at the full timeout
     checks = DeferredChecks(pool, retry_s=BATCH * settings.scoring.scoring_timeout_s + interval_s)
-    advisories = await nc.subscribe(
-        dead_letters.advisory_subject(), cb=_log_failures(consumer.on_max_deliveries)
-    )
+    advisories = Advisories(dead_letters, ledger, metrics)
+    subscription = await nc.subscribe(advisories.subject(), cb=advisories.on_message)
     side_tasks = [
         asyncio.create_task(server.serve(sockets=[listener])),
         asyncio.create_task(
@@ -132,7 +109,7 @@ async def run_worker(
         server.should_exit = True
         stop.set()
         await asyncio.gather(*side_tasks, return_exceptions=True)
-        await advisories.unsubscribe()
+        await subscription.unsubscribe()
         await gateway.aclose()
         await scoring.aclose()
         await pool.close()

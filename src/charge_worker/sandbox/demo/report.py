@@ -64,7 +64,7 @@ async def ledger_rows(
 
 
 @dataclass(frozen=True)
-class DeadLetter:
+class DeadLetterRow:
     """One message of the dead-letter stream, by its headers."""
 
     seq: int
@@ -83,7 +83,7 @@ def _order_of(body: bytes) -> str:
     return str(data.get("order_id", "-")) if isinstance(data, dict) else "-"
 
 
-async def read_dead_letters(js: JetStreamContext, stream: str) -> list[DeadLetter]:
+async def read_dead_letters(js: JetStreamContext, stream: str) -> list[DeadLetterRow]:
     """Every dead letter from the stream's first to its last sequence."""
     state = (await js.stream_info(stream)).state
     found = []
@@ -94,7 +94,7 @@ async def read_dead_letters(js: JetStreamContext, stream: str) -> list[DeadLette
             continue  # deleted meanwhile
         headers = msg.headers or {}
         found.append(
-            DeadLetter(
+            DeadLetterRow(
                 seq=seq,
                 reason=headers.get("Dlq-Reason", "?"),
                 error=headers.get("Dlq-Error", ""),
@@ -171,7 +171,7 @@ class Story:
     gateway_stats: dict[str, Any]
     scoring_stats: dict[str, Any]
     scoring_shape: str
-    dead_letters: list[DeadLetter]
+    dead_letters: list[DeadLetterRow]
     dlq_stream: str
     workers: list[WorkerResult]
     ack_wait_s: float

@@ -199,9 +199,14 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
 
         _step("summary")
         story = await _collect(
-            js, conn, http, settings=settings, published=published, all_final=all_final,
+            js,
+            conn,
+            http,
+            settings=settings,
+            published=published,
+            all_final=all_final,
             workers=results,
-        )  # fmt: skip
+        )
         problems = report.print_summary(story)
         if external and not keep:  # the streams are this run's own: leave no litter behind
             for name in (cfg.stream, cfg.dlq_stream):

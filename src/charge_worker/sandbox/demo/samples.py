@@ -19,9 +19,27 @@ from charge_worker.messages import ChargeDue
 
 PERIOD = dt.date(2026, 12, 1)
 ORDINARY = (
-    "alice", "bob", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "ken",
-    "leo", "mia", "nina", "oscar", "peggy", "quinn", "rupert", "sybil", "trent", "uma",
-)  # fmt: skip
+    "alice",
+    "bob",
+    "dave",
+    "erin",
+    "frank",
+    "grace",
+    "heidi",
+    "ivan",
+    "judy",
+    "ken",
+    "leo",
+    "mia",
+    "nina",
+    "oscar",
+    "peggy",
+    "quinn",
+    "rupert",
+    "sybil",
+    "trent",
+    "uma",
+)
 CURRENCIES = ("RUB", "EUR", "USD")
 DECLINED_CUSTOMER = "cus_decline_carol"  # the gateway simulator declines cus_decline*
 BLOCKED_CUSTOMER = "cus_block_mallory"  # the scoring simulator blocks cus_block*

@@ -82,22 +82,32 @@ def demo_settings(
     )
     return Settings(
         nats=_isolated(
-            NatsSettings, url=nats_url, ack_wait_s=5.0, backoff_s=(5.0, 10.0, 20.0),
-            max_deliver=4, **names,
+            NatsSettings,
+            url=nats_url,
+            ack_wait_s=5.0,
+            backoff_s=(5.0, 10.0, 20.0),
+            max_deliver=4,
+            **names,
         ),
         db=_isolated(DbSettings, url=database_url),
         worker=_isolated(
-            WorkerSettings, concurrency=8, lease_s=15.0, processing_budget_s=30.0,
-            drain_s=10.0, fetch_wait_s=0.5,
+            WorkerSettings,
+            concurrency=8,
+            lease_s=15.0,
+            processing_budget_s=30.0,
+            drain_s=10.0,
+            fetch_wait_s=0.5,
         ),
         scoring=_isolated(ScoringSettings, url=scoring_url, scoring_timeout_s=9.0),
         gateway=_isolated(
-            GatewaySettings, url=gateway_url, api_key=SecretStr(GatewayConfig().api_key),
+            GatewaySettings,
+            url=gateway_url,
+            api_key=SecretStr(GatewayConfig().api_key),
             gateway_timeout_s=5.0,
         ),
         http=_isolated(HttpSettings, http_host="127.0.0.1", metrics_port=0),
         log=_isolated(LogSettings, log_format="json"),
-    )  # fmt: skip
+    )
 
 
 def describe(settings: Settings) -> str:

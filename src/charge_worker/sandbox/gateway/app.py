@@ -92,9 +92,13 @@ from charge_worker.sandbox.gateway.webhooks import WebhookDelivery
 from charge_worker.sandbox.simulator import Simulator, pause, read_json
 
 __all__ = [  # GatewayConfig lives in gateway_config.py; callers import it from here
-    "DECLINE_PREFIX", "ChargeEvents", "GatewayConfig", "GatewaySimulator", "NoEvents",
+    "DECLINE_PREFIX",
+    "ChargeEvents",
+    "GatewayConfig",
+    "GatewaySimulator",
+    "NoEvents",
     "build_gateway_app",
-]  # fmt: skip
+]
 
 DECLINE_PREFIX = "cus_decline"
 Handler = Callable[[Request], Awaitable[Response]]

@@ -76,8 +76,10 @@ def settings_for(
         group = next(g for g, cls in classes.items() if field in cls.model_fields)
         groups[group][field] = value
     base = nats.model_dump()
-    built = {name: classes[name](**(base if name == "nats" else {}) | values)
-             for name, values in groups.items()}  # fmt: skip
+    built = {
+        name: classes[name](**(base if name == "nats" else {}) | values)
+        for name, values in groups.items()
+    }
     return Settings(**built)
 
 
