@@ -14,7 +14,6 @@ Functions are grouped by the package that owns their code.
 
 from __future__ import annotations
 
-import asyncio
 import cProfile
 import pstats
 import signal
@@ -187,17 +186,11 @@ def _run_worker() -> None:
     """What `charge-worker run` does: settings, logging, the worker until SIGTERM."""
     from charge_worker import event_loop, logs  # noqa: PLC0415  # the child only
     from charge_worker.settings import load_settings  # noqa: PLC0415
-    from charge_worker.worker.run import run_worker, stop_on_signals  # noqa: PLC0415
+    from charge_worker.worker import run_command  # noqa: PLC0415
 
     settings = load_settings()
     logs.configure(settings.log)
-
-    async def go() -> None:
-        stop = asyncio.Event()
-        with stop_on_signals(stop):
-            await run_worker(settings, stop)
-
-    event_loop.run(go())
+    event_loop.run(run_command(settings))
 
 
 def run_worker_profiled(path: Path) -> None:
