@@ -110,6 +110,45 @@ async def test_due_subscriptions_are_published_once_and_advanced(
     assert story[1].detail["duplicate"] is False
 
 
+async def _billed(database_url: str, order_id: int) -> list[str]:
+    async with connected(database_url) as conn:
+        rows = await conn.fetch(
+            "SELECT billing_period FROM charge_attempts WHERE order_id = $1 ORDER BY 1", order_id
+        )
+    return [row["billing_period"].isoformat() for row in rows]
+
+
+@pytest.mark.usefixtures("nc")
+async def test_billing_dates_keep_their_anchor_through_short_months(
+    settings: Settings, database_url: str
+) -> None:
+    """Billed on the 31st: the 31st where the month has one, else its last day, never
+    drifting to the 28th after February; yearly and every-N-months schedules alike."""
+    await add_subscriptions(
+        database_url,
+        Sub("sub_31st", 1, next_billing_date=dt.date(2027, 1, 31)),
+        Sub("sub_leap_day", 2, next_billing_date=dt.date(2028, 2, 29)),
+        Sub("sub_quarterly_30th", 3, next_billing_date=dt.date(2027, 11, 30)),
+    )
+    async with connected(database_url) as conn:
+        await conn.execute(
+            "UPDATE subscriptions SET billing_interval = 'year' WHERE order_id = 2;"
+            "UPDATE subscriptions SET billing_interval_count = 3 WHERE order_id = 3"
+        )
+    await produce(settings, dt.date(2033, 1, 1))
+
+    assert (await _billed(database_url, 1))[:6] == [
+        "2027-01-31", "2027-02-28", "2027-03-31", "2027-04-30", "2027-05-31", "2027-06-30",
+    ]  # fmt: skip
+    assert await _billed(database_url, 2) == [
+        "2028-02-29", "2029-02-28", "2030-02-28", "2031-02-28", "2032-02-29",
+    ]  # fmt: skip
+    assert (await _billed(database_url, 3))[:5] == [
+        "2027-11-30", "2028-02-29", "2028-05-30", "2028-08-30", "2028-11-30",
+    ]  # fmt: skip
+    assert (await next_dates(database_url))["sub_leap_day"] == dt.date(2033, 2, 28)
+
+
 @pytest.mark.usefixtures("nc")
 async def test_rows_breaking_the_contract_are_reported_skipped_and_not_advanced(
     settings: Settings, database_url: str

@@ -5,15 +5,16 @@ and publish nothing twice that matters:
 
 1. **schedule** (here), one transaction per batch: lock due subscriptions (`FOR UPDATE
    SKIP LOCKED`, so a concurrent run takes others), record one `scheduled` row per due
-   period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` a month at a time past the
-   day. A subscription that breaks contracts/charge-due.md, or whose key is recorded with
+   period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` one period at a time past
+   the day (periods follow the subscription's anchor and interval: `next_billing_period`).
+   A subscription that breaks contracts/charge-due.md, or whose key is recorded with
    another amount, currency or customer, is reported and left where it is.
-2. **publish** (`producer_publish`): every `scheduled` row not published yet, this run's or
+2. **publish** (`publish.py`): every `scheduled` row not published yet, this run's or
    an earlier one's, with `Nats-Msg-Id: charge:<order_id>:<billing_period>`. JetStream
    drops a re-publish inside its duplicate window; after it, the worker's claim on
    `charge_attempts` absorbs it.
 
-asyncpg and nats errors become `DependencyUnavailable` here, keeping `__cause__`.
+Driver errors become `DependencyUnavailable` (database.translated), keeping `__cause__`.
 """
 
 from __future__ import annotations
@@ -67,9 +68,15 @@ _EXISTING = """
 SELECT status, fingerprint FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
 """
 
+# The next period comes from the anchor, never from the last period plus a month, which
+# drifts (the 31st becomes the 28th after February and stays there); migrations/0004.
 _ADVANCE = """
 UPDATE subscriptions
-   SET next_billing_date = (next_billing_date + interval '1 month')::date, updated_at = now()
+   SET billing_anchor = coalesce(billing_anchor, next_billing_date),
+       next_billing_date = next_billing_period(coalesce(billing_anchor, next_billing_date),
+                                               next_billing_date, billing_interval,
+                                               billing_interval_count),
+       updated_at = now()
  WHERE subscription_id = $1 AND next_billing_date = $2
 RETURNING next_billing_date
 """
