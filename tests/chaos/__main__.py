@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from charge_worker.sandbox.embedded import _find_binary
+from charge_worker.sandbox.embedded import find_binary
 from tests.chaos.checker import FATAL
 from tests.chaos.cluster import Servers
 from tests.chaos.run import Result, run_scenario
@@ -66,7 +66,7 @@ def _line(cells: list[str]) -> str:
 
 def _versions() -> dict[str, Any]:
     nats = subprocess.run(
-        [str(_find_binary("nats-server")), "--version"], capture_output=True, text=True, check=False
+        [str(find_binary("nats-server")), "--version"], capture_output=True, text=True, check=False
     )
     return {
         "python": platform.python_version(),

