@@ -5,8 +5,9 @@ and publish nothing twice that matters:
 
 1. **schedule** (here), one transaction per batch: lock due subscriptions (`FOR UPDATE
    SKIP LOCKED`, so a concurrent run takes others), record one `scheduled` row per due
-   period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` one period at a time past
-   the day (periods follow the subscription's anchor and interval: `next_billing_period`).
+   period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` past the day (periods
+   follow the subscription's anchor and interval: `periods.py`). A few statements per
+   batch of thousands, whatever its size.
    A subscription that breaks contracts/charge-due.md, or whose key is recorded with
    another amount, currency or customer, is reported and left where it is.
 2. **publish** (`publish.py`): every `scheduled` row not published yet, this run's or
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+from dataclasses import dataclass
 
 import asyncpg
 import click
@@ -30,6 +32,7 @@ from pydantic import ValidationError
 from charge_worker import database, streams
 from charge_worker.database import translated
 from charge_worker.messages import SCHEMA, ChargeDue
+from charge_worker.producer.periods import due_periods, next_period
 from charge_worker.producer.publish import ACTOR, BATCH, publish_scheduled
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import Settings
@@ -38,7 +41,9 @@ log = structlog.get_logger(__name__)
 
 # Keyset on subscription_id: a row refused in this run is not taken again by the next batch.
 _DUE = """
-SELECT subscription_id, order_id, customer_id, amount_minor, currency, next_billing_date
+SELECT subscription_id, order_id, customer_id, amount_minor, currency, next_billing_date,
+       coalesce(billing_anchor, next_billing_date) AS anchor, billing_interval,
+       billing_interval_count
   FROM subscriptions
  WHERE active AND next_billing_date <= $1 AND subscription_id > $2
  ORDER BY subscription_id
@@ -46,40 +51,61 @@ SELECT subscription_id, order_id, customer_id, amount_minor, currency, next_bill
    FOR UPDATE SKIP LOCKED
 """
 
-# The `scheduled` event goes with the row, in the same round trip.
+_EXISTING = """
+SELECT order_id, billing_period, status, fingerprint FROM charge_attempts
+ WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
+"""
+
+# One statement for the whole batch; the `scheduled` events go with the rows.
 _SCHEDULE = """
 WITH inserted AS (
     INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
                                  customer_id, amount_minor, currency, due_at, status)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'scheduled')
+    SELECT *, 'scheduled'
+      FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[], $6::bigint[],
+                  $7::text[], $8::timestamptz[])
     ON CONFLICT DO NOTHING
-    RETURNING order_id, billing_period
+    RETURNING order_id, billing_period, subscription_id, amount_minor, currency
 ), story AS (
     INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
     SELECT order_id, billing_period, 'scheduled', $9,
-           jsonb_build_object('subscription_id', $4::text, 'amount_minor', $6::bigint,
-                              'currency', $7::text)
+           jsonb_build_object('subscription_id', subscription_id, 'amount_minor', amount_minor,
+                              'currency', currency)
       FROM inserted
 )
-SELECT order_id FROM inserted
+SELECT order_id, billing_period FROM inserted
 """
 
-_EXISTING = """
-SELECT status, fingerprint FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
-"""
-
-# The next period comes from the anchor, never from the last period plus a month, which
-# drifts (the 31st becomes the 28th after February and stays there); migrations/0004.
+# Guarded by the date each row was read with; the anchor is fixed on the first advance.
 _ADVANCE = """
-UPDATE subscriptions
-   SET billing_anchor = coalesce(billing_anchor, next_billing_date),
-       next_billing_date = next_billing_period(coalesce(billing_anchor, next_billing_date),
-                                               next_billing_date, billing_interval,
-                                               billing_interval_count),
-       updated_at = now()
- WHERE subscription_id = $1 AND next_billing_date = $2
-RETURNING next_billing_date
+UPDATE subscriptions AS s
+   SET billing_anchor = coalesce(s.billing_anchor, s.next_billing_date),
+       next_billing_date = t.next_date, updated_at = now()
+  FROM unnest($1::text[], $2::date[], $3::date[]) AS t(subscription_id, read_date, next_date)
+ WHERE s.subscription_id = t.subscription_id AND s.next_billing_date = t.read_date
 """
+
+Key = tuple[int, dt.date]
+SCHEDULE_BATCH = 5000  # subscriptions per transaction
+_MESSAGE_FIELDS = ("subscription_id", "order_id", "customer_id", "amount_minor", "currency")
+
+
+@dataclass
+class _Plan:
+    """One due subscription's charges in this run, and how many of them are recorded."""
+
+    subscription_id: str
+    read_date: dt.date
+    charges: list[ChargeDue]
+    after_last: dt.date  # the period after the last due one
+    accepted: int = 0  # charges recorded (now or before) in order, up to the first conflict
+
+    @property
+    def next_date(self) -> dt.date:
+        """Where the subscription moves on to: its first charge not recorded."""
+        if self.accepted < len(self.charges):
+            return self.charges[self.accepted].billing_period
+        return self.after_last
 
 
 async def produce_command(settings: Settings, day: dt.date, *, as_json: bool) -> int:
@@ -96,7 +122,11 @@ async def produce_command(settings: Settings, day: dt.date, *, as_json: bool) ->
 
 
 async def produce(
-    settings: Settings, day: dt.date, *, batch_size: int = BATCH, progress: Progress | None = None
+    settings: Settings,
+    day: dt.date,
+    *,
+    batch_size: int | None = None,
+    progress: Progress | None = None,
 ) -> Summary:
     """Schedule what is due on or before `day`, then publish every unpublished `scheduled` row.
 
@@ -108,14 +138,16 @@ async def produce(
         # one connection: both steps run one statement at a time, never two at once
         conn = await database.connect(settings.db, application_name="charge-worker produce")
         stack.push_async_callback(database.close_quietly, conn)
-        await schedule(conn, day, summary, batch_size=batch_size, progress=progress)
+        await schedule(
+            conn, day, summary, batch_size=batch_size or SCHEDULE_BATCH, progress=progress
+        )
         nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         for drift in (await streams.provision(js, settings.nats)).drift:
             log.warning("streams.drift", detail=str(drift))
         await publish_scheduled(
-            conn, js, settings.nats, summary, batch_size=batch_size, progress=progress
+            conn, js, settings.nats, summary, batch_size=batch_size or BATCH, progress=progress
         )
     return summary
 
@@ -125,79 +157,125 @@ async def schedule(
     day: dt.date,
     summary: Summary,
     *,
-    batch_size: int = BATCH,
+    batch_size: int = SCHEDULE_BATCH,
     progress: Progress | None = None,
 ) -> None:
-    """Step 1: record every charge due on or before `day` as `scheduled`, batch by batch."""
+    """Step 1: record every charge due on or before `day` as `scheduled`, a batch of
+    subscriptions per transaction, four statements per batch whatever its size."""
     ticker = Ticker("due subscriptions examined", progress)
     after = ""
     while True:
         async with conn.transaction():
             rows = await conn.fetch(_DUE, day, after, batch_size)
-            for row in rows:
-                await _schedule_subscription(conn, row, day, summary)
-                summary.due += 1
-                ticker.tick()
+            await _schedule_batch(conn, [_plan(row, day, summary) for row in rows], summary)
+        summary.due += len(rows)
+        ticker.tick(len(rows))
         if len(rows) < batch_size:
             return
         after = rows[-1]["subscription_id"]
 
 
-async def _schedule_subscription(
-    conn: asyncpg.Connection, row: asyncpg.Record, day: dt.date, summary: Summary
-) -> None:
-    """One charge per due period, oldest first; stop at a refused one without advancing."""
-    period: dt.date = row["next_billing_date"]
-    while period <= day:
-        try:
-            charge = _charge(row, period)
-        except ValidationError as error:
-            summary.invalid.append(Problem(row["subscription_id"], None, _reason(error)))
-            return
-        if not await _schedule_charge(conn, charge, summary):
-            return
-        advanced = await conn.fetchval(_ADVANCE, charge.subscription_id, period)
-        if advanced is None:  # cannot happen under our row lock; never advance blindly
-            return
-        period = advanced
+def _plan(row: asyncpg.Record, day: dt.date, summary: Summary) -> _Plan:
+    """The subscription's due periods as contract-checked charges; none, and no advance,
+    when it breaks the contract (reported)."""
+    read: dt.date = row["next_billing_date"]
+    schedule = (row["anchor"], row["billing_interval"], row["billing_interval_count"])
+    periods = list(due_periods(schedule[0], read, schedule[1], schedule[2], day))
+    try:
+        charges = [_charge(row, period) for period in periods]
+    except ValidationError as error:
+        summary.invalid.append(Problem(row["subscription_id"], None, _reason(error)))
+        return _Plan(row["subscription_id"], read, [], read)
+    after_last = next_period(schedule[0], periods[-1], schedule[1], schedule[2])
+    return _Plan(row["subscription_id"], read, charges, after_last)
 
 
-async def _schedule_charge(conn: asyncpg.Connection, charge: ChargeDue, summary: Summary) -> bool:
-    """Record one due charge; False (a conflict) when its key holds another charge."""
-    key = (charge.order_id, charge.billing_period)
-    inserted = await conn.fetchval(
-        _SCHEDULE,
-        *key,
-        charge.key,
-        charge.subscription_id,
-        charge.customer_id,
-        charge.amount_minor,
-        charge.currency,
-        charge.due_at,
-        ACTOR,
+async def _schedule_batch(conn: asyncpg.Connection, plans: list[_Plan], summary: Summary) -> None:
+    """Insert the batch's new charges; count the recorded ones; stop each subscription at
+    its first conflict; advance each past what it has recorded."""
+    existing = await _existing(conn, [c for plan in plans for c in plan.charges])
+    fresh: list[tuple[_Plan, ChargeDue]] = []
+    for plan in plans:
+        for charge in plan.charges:
+            found = existing.get(_key(charge))
+            if found is None:
+                fresh.append((plan, charge))
+            elif not _recorded(charge, found, summary):
+                break
+            plan.accepted += 1
+    inserted = await _insert(conn, [charge for _, charge in fresh])
+    summary.scheduled += len(inserted)
+    # a worker may have recorded a charge meanwhile (its message was published by others)
+    raced = [(plan, c) for plan, c in fresh if _key(c) not in inserted]
+    again = await _existing(conn, [charge for _, charge in raced])
+    for plan, charge in raced:
+        if not _recorded(charge, again.get(_key(charge)), summary):
+            plan.accepted = min(plan.accepted, plan.charges.index(charge))
+    moved = [plan for plan in plans if plan.next_date != plan.read_date]
+    await conn.execute(
+        _ADVANCE,
+        [plan.subscription_id for plan in moved],
+        [plan.read_date for plan in moved],
+        [plan.next_date for plan in moved],
     )
-    if inserted is not None:
-        summary.scheduled += 1
-        return True
-    existing = await conn.fetchrow(_EXISTING, *key)
+
+
+def _key(charge: ChargeDue) -> Key:
+    return charge.order_id, charge.billing_period
+
+
+async def _existing(
+    conn: asyncpg.Connection, charges: list[ChargeDue]
+) -> dict[Key, asyncpg.Record]:
+    if not charges:
+        return {}
+    rows = await conn.fetch(
+        _EXISTING, [c.order_id for c in charges], [c.billing_period for c in charges]
+    )
+    return {(row["order_id"], row["billing_period"]): row for row in rows}
+
+
+def _recorded(charge: ChargeDue, found: asyncpg.Record | None, summary: Summary) -> bool:
+    """The key is recorded as this very charge (counted); False, reported, when it holds
+    another one."""
     fingerprint = f"{charge.amount_minor} {charge.currency} {charge.customer_id}"
-    if existing is None or existing["fingerprint"] != fingerprint:
-        recorded = "another row's key" if existing is None else f"'{existing['fingerprint']}'"
+    if found is None or found["fingerprint"] != fingerprint:
+        recorded = "another row's key" if found is None else f"'{found['fingerprint']}'"
         reason = f"recorded as {recorded}, the subscription says '{fingerprint}'"
         summary.conflicts.append(Problem(charge.subscription_id, charge.key, reason))
         return False
-    if existing["status"] in ("scheduled", "pending"):
+    if found["status"] in ("scheduled", "pending"):
         summary.already_scheduled += 1
     else:
         summary.already_settled += 1
     return True
 
 
+async def _insert(conn: asyncpg.Connection, charges: list[ChargeDue]) -> set[Key]:
+    """Record the charges as `scheduled`, with their events; the keys actually inserted."""
+    if not charges:
+        return set()
+    rows = await conn.fetch(
+        _SCHEDULE,
+        [c.order_id for c in charges],
+        [c.billing_period for c in charges],
+        [c.key for c in charges],
+        [c.subscription_id for c in charges],
+        [c.customer_id for c in charges],
+        [c.amount_minor for c in charges],
+        [c.currency for c in charges],
+        [c.due_at for c in charges],
+        ACTOR,
+    )
+    return {(row["order_id"], row["billing_period"]) for row in rows}
+
+
 def _charge(row: asyncpg.Record, period: dt.date) -> ChargeDue:
     """The charge.due/v1 message for one period of a subscription; the contract validates."""
     due_at = dt.datetime.combine(period, dt.time(), dt.UTC)
+    fields = {name: row[name] for name in _MESSAGE_FIELDS}
     return ChargeDue.model_validate(
-        {"schema": SCHEMA, **dict(row), "billing_period": period, "due_at": due_at}
+        {"schema": SCHEMA, **fields, "billing_period": period, "due_at": due_at}
     )
 
 

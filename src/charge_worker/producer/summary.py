@@ -104,7 +104,7 @@ class Ticker:
         self.progress = progress
         self.count = 0
 
-    def tick(self) -> None:
-        self.count += 1
-        if self.progress is not None and self.count % PROGRESS_EVERY == 0:
+    def tick(self, rows: int = 1) -> None:
+        before, self.count = self.count, self.count + rows
+        if self.progress is not None and before // PROGRESS_EVERY < self.count // PROGRESS_EVERY:
             self.progress(f"produce: {self.count} {self.what}")

@@ -1,0 +1,50 @@
+"""Billing periods: every `count` months or years from an anchor day, as card billing does.
+
+A subscription anchored on the 31st is billed on the 31st of every month that has one and
+on the month's last day otherwise, and it stays on the 31st: each period is computed from
+the anchor, never from the previous period (which drifts to the 28th after February).
+Pure functions of dates; no I/O.
+"""
+
+from __future__ import annotations
+
+import calendar
+import datetime as dt
+from collections.abc import Iterator
+from typing import Literal
+
+Interval = Literal["month", "year"]
+MAX_CATCH_UP = 1200  # periods due in one run for one subscription: 100 years of months
+
+
+def _months(interval: Interval, count: int) -> int:
+    return count * (12 if interval == "year" else 1)
+
+
+def on_anchor(anchor: dt.date, months_after: int) -> dt.date:
+    """The anchor's day, `months_after` months after the anchor's month, clamped to the
+    month's last day."""
+    index = anchor.year * 12 + anchor.month - 1 + months_after
+    year, month = divmod(index, 12)
+    last = calendar.monthrange(year, month + 1)[1]
+    return dt.date(year, month + 1, min(anchor.day, last))
+
+
+def next_period(anchor: dt.date, current: dt.date, interval: Interval, count: int) -> dt.date:
+    """The period after `current`, itself a period of the schedule (its month says which)."""
+    step = _months(interval, count)
+    elapsed = (current.year - anchor.year) * 12 + current.month - anchor.month
+    return on_anchor(anchor, (elapsed // step + 1) * step)
+
+
+def due_periods(
+    anchor: dt.date, first: dt.date, interval: Interval, count: int, day: dt.date
+) -> Iterator[dt.date]:
+    """`first` and every following period on or before `day`, oldest first (at most
+    `MAX_CATCH_UP`: a subscription decades behind is caught up over several runs)."""
+    period = first
+    for _ in range(MAX_CATCH_UP):
+        if period > day:
+            return
+        yield period
+        period = next_period(anchor, period, interval, count)
