@@ -18,6 +18,7 @@ from nats.js.api import DiscardPolicy
 
 from charge_worker import events, streams
 from charge_worker.messages import parse
+from charge_worker.producer.publish import WINDOW
 from charge_worker.producer.schedule import produce, publish_scheduled, schedule
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.sandbox.serve import ServedApp
@@ -334,19 +335,27 @@ async def test_a_failure_past_the_first_window_keeps_what_was_acked(
     """Publishes go out a window at a time: the acked part of a failing window is kept."""
     cfg = nats_settings.model_copy(update={"publish_retry_horizon_s": 0.3})
     js = nc.jetstream()
-    full = dataclasses.replace(streams.charges_stream(cfg), max_msgs=150, discard=DiscardPolicy.NEW)
+    half = WINDOW // 2  # the stream takes a window and a half, then refuses
+    full = dataclasses.replace(
+        streams.charges_stream(cfg), max_msgs=WINDOW + half, discard=DiscardPolicy.NEW
+    )
     await js.add_stream(full)
-    await add_subscriptions(database_url, *(Sub(f"sub_{n}", n) for n in range(1, 251)))
+    subs = (Sub(f"sub_{n}", n) for n in range(1, 2 * WINDOW + half + 1))
+    await add_subscriptions(database_url, *subs)
 
     summary = await produce(Settings(nats=cfg, db=DbSettings(url=database_url)), DAY)
 
-    assert (summary.published, len(summary.failed), summary.abandoned) == (150, 50, 50)
+    assert (summary.published, len(summary.failed), summary.abandoned) == (
+        WINDOW + half,
+        half,
+        half,
+    )
     published = {k for k, (_, done) in (await attempts(database_url)).items() if done}
-    assert len(published) == 150
+    assert len(published) == WINDOW + half
     assert {f"charge:{key}" for key in published} == set(await stream_messages(js, cfg.stream))
     async with connected(database_url) as conn:
         told = await conn.fetchval("SELECT count(*) FROM charge_events WHERE kind = 'published'")
-    assert told == 150
+    assert told == WINDOW + half
 
 
 async def test_a_lost_connection_fails_at_once_and_leaves_the_rest_scheduled(
