@@ -17,14 +17,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from charge_worker.sandbox.embedded import find_binary
 from tests.chaos.checker import FATAL
-from tests.chaos.cluster import Servers
+from tests.chaos.cluster import ServerPool
 from tests.chaos.run import Result, run_scenario
-from tests.chaos.scenarios import BY_NAME, COMBINED, SCENARIOS
+from tests.chaos.scenarios import BY_NAME, CLUSTER_SCENARIOS, COMBINED, SCENARIOS
 
 GOOD = ("charged_once", "declined", "blocked", "blocked_post_hoc", "dead_lettered")
 COLUMNS = (
@@ -52,7 +53,7 @@ def _cells(result: Result) -> list[str]:
         f"{row['gateway_calls_p50']:g}/{row['gateway_calls_max']}",
         str(row["redeliveries"]),
         f"{row['converge_after_faults_s']:.1f}",
-        f"{row.get('stall_after_outage_max_s', '-')}",
+        f"{row.get('stall_s', '-')}",
         f"{row['unknown_resolution_p99_s']:.1f}/{row['unknown_resolution_max_s']:.1f}",
         f"{row['dead_letters']}/{row['dead_letters_expected']}",
         "pass" if result.passed else "FAIL",
@@ -81,25 +82,36 @@ async def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--only", nargs="*", choices=sorted(BY_NAME), help="these scenarios")
     parser.add_argument("--out", type=Path, default=Path(".chaos"))
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="3: run every scenario on a 3-node JetStream cluster with a PostgreSQL standby",
+    )
     args = parser.parse_args(argv)
-    chosen = [BY_NAME[n] for n in args.only] if args.only else [*SCENARIOS, COMBINED]
+    everything = [*SCENARIOS, COMBINED, *CLUSTER_SCENARIOS]
+    chosen = [BY_NAME[n] for n in args.only] if args.only else everything
+    if args.nats_cluster == 3:
+        chosen = [s if s.shape != "single" else replace(s, shape="cluster") for s in chosen]
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: {len(chosen)} scenario(s), {args.size} keys each, seed {args.seed}", flush=True)
     print(_line([name for name, _ in COLUMNS]), flush=True)
     print(_line(["-" * max(w, len(name)) for name, w in COLUMNS]), flush=True)
     rows, failed = [], 0
-    servers = Servers().start()
+    pool = ServerPool()
     try:
         for scenario in chosen:
-            result = await run_scenario(
-                servers, scenario, size=args.size, seed=args.seed, root=args.out / scenario.name
-            )
+            with pool.lend(scenario.shape, fresh=scenario.fresh_servers) as servers:
+                result = await run_scenario(
+                    servers, scenario, size=args.size, seed=args.seed, root=args.out / scenario.name
+                )
             (args.out / f"{scenario.name}.txt").write_text(result.report() + "\n")
             print(_line(_cells(result)), flush=True)
             rows.append(result.row())
             failed += not result.passed
     finally:
-        servers.stop()
+        pool.stop()
     document = {"seed": args.seed, "size": args.size, "versions": _versions(), "results": rows}
     (args.out / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     print(f"{len(rows) - failed} passed, {failed} failed; reports in {args.out}/", flush=True)

@@ -20,10 +20,10 @@ import time
 import uuid
 from asyncio.subprocess import PIPE
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 import httpx
@@ -33,6 +33,7 @@ from charge_worker import streams
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.nats_cluster import NatsCluster
 from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
@@ -86,6 +87,8 @@ class Chronicle:
         self.lines: list[tuple[float, str, str]] = []
         self.outages: list[tuple[str, float]] = []  # what, when it ended (wall clock)
         self.attacks: Counter[str] = Counter()  # nemesis name -> actions taken
+        self.figures: dict[str, Any] = {}  # what a nemesis measured (commits lost, ...)
+        self.first_fault: float | None = None  # wall clock of the first nemesis action
 
     def __call__(self, who: str, what: str) -> None:
         self.lines.append((self.now(), who, what))
@@ -97,29 +100,104 @@ class Chronicle:
         return "\n".join(f"{t:8.2f}s  {who:<12} {what}" for t, who, what in self.lines)
 
 
-class Servers:
-    """nats-server and PostgreSQL for a whole chaos run; nemeses restart and pause them."""
+Shape = Literal["single", "cluster", "cluster_sync"]
 
-    def __init__(self) -> None:
-        self.nats = NatsServer()
-        self.pg = PostgresServer()
+
+class Servers:
+    """The engines of a chaos run; nemeses restart, pause, partition and fail them over.
+
+    `single`: one nats-server and one PostgreSQL. `cluster`: a 3-node JetStream cluster
+    (R3 streams, `sync_interval: always`) and a PostgreSQL primary with an asynchronous
+    streaming standby; `cluster_sync`: the same with a synchronous standby.
+    """
+
+    def __init__(self, shape: Shape = "single") -> None:
+        self.shape = shape
+        self.nats: NatsServer | NatsCluster = NatsServer() if shape == "single" else NatsCluster()
+        sync = ("synchronous_standby_names=standby",) if shape == "cluster_sync" else ()
+        self.pg = PostgresServer(settings=sync)
+        self.standby: PostgresServer | None = None
+
+    @property
+    def clustered(self) -> bool:
+        return isinstance(self.nats, NatsCluster)
+
+    @property
+    def nats_ports(self) -> list[int]:
+        """The client port of each nats-server."""
+        if isinstance(self.nats, NatsCluster):
+            return [node.port for node in self.nats.nodes.values()]
+        return [self.nats.port]
+
+    @property
+    def nats_url(self) -> str:
+        return self.nats.url
 
     def start(self) -> Servers:
         self.nats.start()
         self.pg.start()
+        if self.shape != "single":
+            self.standby = PostgresServer.standby_of(self.pg).start()
         return self
 
+    def failover(self) -> PostgresServer:
+        """The primary's machine dies (SIGKILL, every process); the standby is promoted.
+        Returns the new primary (also `self.pg` from now on)."""
+        assert self.standby is not None, "failover needs a standby"
+        self.pg.terminate(signal.SIGKILL)
+        self.standby.promote()
+        self.pg, self.standby = self.standby, None
+        return self.pg
+
     def heal(self) -> None:
-        """Both servers running and not paused, whatever a nemesis left behind."""
-        for server in (self.nats, self.pg):
-            if server.proc is None or server.proc.poll() is not None:
-                server.start()
-            else:
-                server.resume()
+        """Every server running, unpaused and routed, whatever a nemesis left behind."""
+        if isinstance(self.nats, NatsCluster):
+            self.nats.heal()
+            for node in self.nats.nodes.values():
+                if not node.running:
+                    node.start()
+            self.nats.wait_ready()
+        elif self.nats.proc is None or self.nats.proc.poll() is not None:
+            self.nats.start()
+        else:
+            self.nats.resume()
+        if self.pg.proc is None or self.pg.proc.poll() is not None:
+            self.pg.start()
+        else:
+            self.pg.resume()
+            self.pg.release_replication()
 
     def stop(self) -> None:
         self.nats.stop()
+        if self.standby is not None:
+            self.standby.stop()
         self.pg.stop()
+
+
+class ServerPool:
+    """The engines of a run by shape, started when first needed and shared by scenarios; a
+    scenario whose faults change its engines for good (a failover) gets fresh ones."""
+
+    def __init__(self) -> None:
+        self.shared: dict[Shape, Servers] = {}
+
+    @contextlib.contextmanager
+    def lend(self, shape: Shape, *, fresh: bool) -> Iterator[Servers]:
+        if fresh:
+            servers = Servers(shape).start()
+            try:
+                yield servers
+            finally:
+                servers.stop()
+            return
+        if shape not in self.shared:
+            self.shared[shape] = Servers(shape).start()
+        yield self.shared[shape]
+
+    def stop(self) -> None:
+        for servers in self.shared.values():
+            servers.stop()
+        self.shared.clear()
 
 
 @dataclass
@@ -144,7 +222,11 @@ class Cluster:
 
     @property
     def direct_nats(self) -> NatsSettings:
-        return self.settings.nats.model_copy(update={"url": self.servers.nats.url})
+        return self.settings.nats.model_copy(update={"url": self.servers.nats_url})
+
+    def nats_proxies(self) -> list[Proxy]:
+        """The proxies in front of the nats-servers (one, or one per cluster node)."""
+        return [proxy for name, proxy in self.proxies.items() if name.startswith("nats")]
 
     def env(self) -> dict[str, str]:
         """The environment of a `charge-worker` command run against this cluster."""
@@ -265,13 +347,19 @@ async def cluster(
     with contextlib.ExitStack() as stack:
         gateway_app = stack.enter_context(ServedApp(build_gateway_app(gateway)))
         scoring_app = stack.enter_context(ServedApp(build_scoring_app(scoring)))
+        ports = servers.nats_ports
+        names = ["nats"] if len(ports) == 1 else [f"nats-{n + 1}" for n in range(len(ports))]
         proxies = {
-            "nats": stack.enter_context(Proxy("127.0.0.1", servers.nats.port)),
+            **{
+                name: stack.enter_context(Proxy("127.0.0.1", port))
+                for name, port in zip(names, ports, strict=True)
+            },
             "postgres": stack.enter_context(Proxy("127.0.0.1", servers.pg.port)),
             "gateway": stack.enter_context(Proxy("127.0.0.1", gateway_app.port)),
         }
         nats = NatsSettings(
-            url=f"nats://127.0.0.1:{proxies['nats'].port}",
+            url=",".join(f"nats://127.0.0.1:{proxies[name].port}" for name in names),
+            stream_replicas=len(ports),
             stream=f"CHARGES_{uid}",
             subject=f"charges_{uid}.due",
             dlq_stream=f"CHARGES_DLQ_{uid}",

@@ -16,11 +16,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import asyncpg
 import httpx
+import nats.errors
+from nats.js.api import ConsumerInfo, StreamInfo
 
-from tests.chaos.cluster import Cluster
+from charge_worker.sandbox.nats_cluster import NatsCluster
+from tests.chaos.cluster import Cluster, connect_direct
 
 Act = Callable[[Cluster, random.Random], Awaitable[None]]
+PARTITION_MIN_S = 10.0  # nats-server's Raft elections time out after 4-9 s
 
 
 @dataclass(frozen=True)
@@ -28,15 +33,17 @@ class Nemesis:
     name: str
     period_s: float
     act: Act
+    at_most: int | None = None  # strikes in one run (a failover consumes the standby)
 
 
 async def run(nemesis: Nemesis, cluster: Cluster, rng: random.Random, stop: asyncio.Event) -> None:
     """Act soon after the start (while the work is flowing), then every period."""
     wait = nemesis.period_s * rng.uniform(0.1, 0.3)
-    while not stop.is_set():
+    while not stop.is_set() and cluster.chronicle.attacks[nemesis.name] < (nemesis.at_most or 1e9):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), wait)
         if not stop.is_set():
+            cluster.chronicle.first_fault = cluster.chronicle.first_fault or time.time()
             await nemesis.act(cluster, rng)
             cluster.chronicle.attacks[nemesis.name] += 1
         wait = nemesis.period_s * rng.uniform(0.5, 1.5)
@@ -48,8 +55,15 @@ async def kill_worker(cluster: Cluster, rng: random.Random) -> None:
 
 async def restart_nats(cluster: Cluster, rng: random.Random) -> None:
     sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
-    cluster.chronicle("nemesis", f"nats-server restart ({sig.name})")
-    await asyncio.to_thread(cluster.servers.nats.restart, sig)
+    nats = cluster.servers.nats
+    if isinstance(nats, NatsCluster):  # one of the cluster's servers
+        name = rng.choice(sorted(nats.nodes))
+        cluster.chronicle("nemesis", f"nats-server {name} restart ({sig.name})")
+        await asyncio.to_thread(nats.kill, name, sig)
+        await asyncio.to_thread(nats.restart, name)
+    else:
+        cluster.chronicle("nemesis", f"nats-server restart ({sig.name})")
+        await asyncio.to_thread(nats.restart, sig)
     _ended(cluster, f"nats-server {sig.name}")
 
 
@@ -95,11 +109,13 @@ async def nats_latency(cluster: Cluster, rng: random.Random) -> None:
     """Heartbeats and acks late by more than ack_wait: redelivery while still processing."""
     seconds = rng.uniform(1.0, 3.0)
     cluster.chronicle("nemesis", f"nats proxy: 1.5 s latency for {seconds:.1f}s")
-    cluster.proxies["nats"].latency(1.5)
+    for proxy in cluster.nats_proxies():
+        proxy.latency(1.5)
     try:
         await asyncio.sleep(seconds)
     finally:
-        cluster.proxies["nats"].pass_through()
+        for proxy in cluster.nats_proxies():
+            proxy.pass_through()
 
 
 async def flip_lost_answers(cluster: Cluster, rng: random.Random) -> None:
@@ -115,6 +131,115 @@ async def flip_lost_answers(cluster: Cluster, rng: random.Random) -> None:
         response.raise_for_status()
 
 
+def _nodes(cluster: Cluster) -> NatsCluster:
+    nats = cluster.servers.nats
+    assert isinstance(nats, NatsCluster), "a cluster nemesis needs the cluster shape"
+    return nats
+
+
+async def _leader(cluster: Cluster, of: str) -> str | None:
+    """The server leading the stream's (or the consumer's) replica group, as JetStream says."""
+    cfg = cluster.direct_nats
+    for _ in range(20):  # right after an election the info calls answer 503 for a moment
+        nc = await connect_direct(cluster)
+        try:
+            js = nc.jetstream()
+            if of == "stream":
+                info: StreamInfo | ConsumerInfo = await js.stream_info(cfg.stream)
+            else:
+                info = await js.consumer_info(cfg.stream, cfg.durable)
+            if info.cluster is not None and info.cluster.leader:
+                return info.cluster.leader
+        except (nats.errors.Error, TimeoutError):
+            pass
+        finally:
+            await nc.close()
+        await asyncio.sleep(0.5)
+    return None
+
+
+async def _kill_leader(cluster: Cluster, rng: random.Random, of: str) -> None:
+    """kill -9 the leader; it stays down while the other two carry on, then restarts."""
+    nodes = _nodes(cluster)
+    leader = await _leader(cluster, of)
+    if leader is None:
+        cluster.chronicle("nemesis", f"no {of} leader to kill (an election under way)")
+        return
+    down_s = rng.uniform(2.0, 6.0)
+    cluster.chronicle("nemesis", f"kill -9 the {of} leader {leader}, down {down_s:.1f}s")
+    await asyncio.to_thread(nodes.kill, leader, signal.SIGKILL)
+    await asyncio.sleep(down_s)
+    await asyncio.to_thread(nodes.restart, leader)
+    _ended(cluster, f"{of} leader {leader} killed")
+
+
+async def kill_stream_leader(cluster: Cluster, rng: random.Random) -> None:
+    await _kill_leader(cluster, rng, "stream")
+
+
+async def kill_consumer_leader(cluster: Cluster, rng: random.Random) -> None:
+    await _kill_leader(cluster, rng, "consumer")
+
+
+async def rolling_restart(cluster: Cluster, rng: random.Random) -> None:
+    """An upgrade: each server in turn stopped (SIGTERM), started, and waited for."""
+    nodes = _nodes(cluster)
+    for name in nodes.nodes:
+        cluster.chronicle("nemesis", f"rolling restart: {name}")
+        await asyncio.to_thread(nodes.kill, name, signal.SIGTERM)
+        await asyncio.to_thread(nodes.restart, name)
+    _ended(cluster, "rolling restart")
+
+
+async def partition(cluster: Cluster, rng: random.Random) -> None:
+    """One server cut from the other two for longer than an election can take."""
+    nodes = _nodes(cluster)
+    name = rng.choice(sorted(nodes.nodes))
+    seconds = rng.uniform(PARTITION_MIN_S, PARTITION_MIN_S + 4.0)
+    cluster.chronicle("nemesis", f"partition {name} from its peers for {seconds:.1f}s")
+    nodes.isolate(name)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        nodes.heal()
+    await asyncio.to_thread(nodes.wait_ready)
+    _ended(cluster, f"partition of {name}")
+
+
+async def failover(cluster: Cluster, rng: random.Random) -> None:
+    """WAL shipping held while charges flow, then the primary's machine dies and the
+    standby is promoted; the database address is re-pointed to it. What the primary
+    committed while shipping was held is gone (an asynchronous standby) or was never
+    acknowledged (a synchronous one: commits wait for the standby)."""
+    servers = cluster.servers
+    if servers.standby is None:
+        return
+    held_s = rng.uniform(2.0, 4.0)
+    cluster.chronicle("nemesis", f"postgres: WAL shipping held {held_s:.1f}s, charges flowing")
+    servers.pg.hold_replication()
+    await asyncio.sleep(held_s)
+    before = await _ledger_states(cluster.database_url)
+    cluster.chronicle("nemesis", "kill -9 the primary, promote the standby, re-point")
+    promoted = await asyncio.to_thread(servers.failover)
+    cluster.proxies["postgres"].retarget(promoted.port)
+    after = await _ledger_states(cluster.database_url)
+    lost = sum(1 for key, state in before.items() if after.get(key) != state)
+    cluster.chronicle.figures["commits_lost"] = lost
+    cluster.chronicle("nemesis", f"failover done: {lost} ledger row(s) lost their last commit")
+    _ended(cluster, "postgres failover")
+
+
+async def _ledger_states(database_url: str) -> dict[str, tuple[str, int, int]]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT idempotency_key, status, attempt, gateway_calls FROM charge_attempts"
+        )
+    finally:
+        await conn.close()
+    return {r["idempotency_key"]: (r["status"], r["attempt"], r["gateway_calls"]) for r in rows}
+
+
 def _ended(cluster: Cluster, what: str) -> None:
     cluster.chronicle.outages.append((what, time.time()))
     cluster.chronicle("nemesis", f"{what}: over")
@@ -127,3 +252,8 @@ PAUSE_POSTGRES = Nemesis("postgres SIGSTOP", 6.0, pause_postgres)
 NETWORK = Nemesis("proxy faults", 3.0, network_fault)
 NATS_LATENCY = Nemesis("nats latency", 4.0, nats_latency)
 LOST_ANSWERS = Nemesis("gateway lost answers", 3.0, flip_lost_answers)
+KILL_STREAM_LEADER = Nemesis("kill -9 stream leader", 12.0, kill_stream_leader)
+KILL_CONSUMER_LEADER = Nemesis("kill -9 consumer leader", 12.0, kill_consumer_leader)
+ROLLING_RESTART = Nemesis("rolling restart", 20.0, rolling_restart)
+PARTITION = Nemesis("partition one server", 20.0, partition)
+FAILOVER = Nemesis("postgres failover", 4.0, failover, at_most=1)

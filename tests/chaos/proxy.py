@@ -12,6 +12,7 @@ existing connections alike, and may be switched from any thread:
 | `reset()`        | RST right after accept      | RST on both sockets                     |
 | `refuse()`       | refused (listener closed)   | untouched; add `reset_all()` for those  |
 | `reset_all()`    | (mode unchanged)            | RST on both sockets, once               |
+| `retarget(port)` | forwarded to the new port   | RST on both sockets, once               |
 
 ```python
 with Proxy("127.0.0.1", nats_port) as proxy:
@@ -161,6 +162,11 @@ class Proxy:
         """Reset every current connection once; the mode stays as it is."""
         self._call(self._reset_links())
 
+    def retarget(self, upstream_port: int) -> None:
+        """Forward new connections to another port (a promoted standby, as a virtual IP or a
+        pooler would be re-pointed); existing connections are reset."""
+        self._call(self._retarget(upstream_port))
+
     def _switch(self, mode: Mode, latency_s: float = 0.0) -> None:
         if self._loop is None:  # applied by start()
             self._mode, self._latency_s = mode, latency_s
@@ -261,6 +267,10 @@ class Proxy:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+    async def _retarget(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        await self._reset_links()
 
     async def _reset_links(self) -> None:
         for link in list(self._links):

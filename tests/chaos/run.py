@@ -50,7 +50,8 @@ class Result:
     @property
     def attacked(self) -> bool:
         """Every nemesis struck at least `MIN_ATTACKS` times: else the run proved nothing."""
-        return all(self.chronicle.attacks[a] >= MIN_ATTACKS for a in self.scenario.attacks())
+        needed = self.scenario.attacks(MIN_ATTACKS)
+        return all(self.chronicle.attacks[name] >= n for name, n in needed.items())
 
     @property
     def passed(self) -> bool:
@@ -168,6 +169,7 @@ async def _attack_and_judge(
         "converge_after_faults_s": round(converged, 1),
         "run_s": round(time.monotonic() - started, 1),
         **await _stalls(system),
+        **system.chronicle.figures,
     }
     result = Result(scenario, seed, size, verdict, chronicle, timings, not_quiet=not_quiet)
     if not result.passed:
@@ -233,7 +235,8 @@ async def _until_done_or(system: Cluster, nc: Client, scenario: Scenario, within
     """Until the work is done and every nemesis struck `MIN_ATTACKS` times, or `within_s`."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        struck = all(system.chronicle.attacks[a] >= MIN_ATTACKS for a in scenario.attacks())
+        needed = scenario.attacks(MIN_ATTACKS).items()
+        struck = all(system.chronicle.attacks[name] >= n for name, n in needed)
         with contextlib.suppress(Exception):  # a server may be down right now
             if struck and not await _open_work(system, nc):
                 return
@@ -290,22 +293,32 @@ def _nothing_done(stdout: str) -> bool:
 
 
 async def _stalls(system: Cluster) -> dict[str, Any]:
-    """Per outage: seconds from its end to the next delivery any worker finished."""
-    if not system.chronicle.outages:
+    """`stall_s`: the longest gap between settled deliveries from the first fault on (no
+    delivery while work was left); per outage, seconds from its end to the next delivery."""
+    first_fault = system.chronicle.first_fault
+    if first_fault is None:
         return {}
     conn = await asyncpg.connect(system.database_url)
-    stalls = []
     try:
-        for _, ended in system.chronicle.outages:
-            first = await conn.fetchval(
-                "SELECT min(at) FROM charge_events WHERE kind = 'delivery' AND at > $1",
-                dt.datetime.fromtimestamp(ended, dt.UTC),
+        times = [
+            row["at"].timestamp()
+            for row in await conn.fetch(
+                "SELECT at FROM charge_events WHERE kind = 'delivery' AND at > $1 ORDER BY at",
+                dt.datetime.fromtimestamp(first_fault, dt.UTC),
             )
+        ]
+        after_outages = []
+        for _, ended in system.chronicle.outages:
+            first = next((at for at in times if at > ended), None)
             if first is not None:
-                stalls.append(first.timestamp() - ended)
+                after_outages.append(first - ended)
     finally:
         await conn.close()
-    return {"stall_after_outage_max_s": round(max(stalls), 2)} if stalls else {}
+    gaps = [b - a for a, b in zip([first_fault, *times], times, strict=False)]
+    figures = {"stall_s": round(max(gaps), 2)} if gaps else {}
+    if after_outages:
+        figures["stall_after_outage_max_s"] = round(max(after_outages), 2)
+    return figures
 
 
 async def _explain(system: Cluster, key: str) -> str:

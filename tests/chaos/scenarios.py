@@ -16,7 +16,7 @@ from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY
 from charge_worker.worker.failpoints import POINTS
 from tests.chaos import nemesis
-from tests.chaos.cluster import FAILPOINT_DEATH
+from tests.chaos.cluster import FAILPOINT_DEATH, Shape
 from tests.chaos.nemesis import Nemesis
 
 
@@ -34,15 +34,19 @@ class Scenario:
     quick_size: int = 300
     fault_window_s: float = 60.0  # faults stop when the work is done or after this long
     quiet_within_s: float = 180.0
+    shape: Shape = "single"  # the engines: see `Servers`
+    fresh_servers: bool = False  # its faults leave the engines changed (a failover)
+    doubles_repaired: bool = False  # a double is fine if one reconcile run refunded it
 
     @property
     def failpoints(self) -> str:
         return str(self.settings.get("failpoints", ""))
 
-    def attacks(self) -> list[str]:
-        """What must have struck (see `Chronicle.attacks`) for the run to prove anything."""
-        deaths = [FAILPOINT_DEATH] if ":exit" in self.failpoints else []
-        return [n.name for n in self.nemeses] + deaths
+    def attacks(self, usual: int) -> dict[str, int]:
+        """What must have struck, and how often (see `Chronicle.attacks`), for the run to
+        prove anything: `usual` times, or as often as a nemesis can strike at all."""
+        needed = {n.name: min(usual, n.at_most or usual) for n in self.nemeses}
+        return needed | ({FAILPOINT_DEATH: usual} if ":exit" in self.failpoints else {})
 
 
 # every charge takes 2-8 s at the gateway
@@ -129,6 +133,66 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
 )
 
+# The clustered engines. The gateway is slow and the workers few, so charges are still
+# flowing when the faults strike.
+FLOWING = {"latency": LatencyModel(fixed_s=0.4)}
+CLUSTERED: dict[str, Any] = {
+    "shape": "cluster",
+    "gateway": FLOWING,
+    "quick_size": 200,
+    "settings": {"concurrency": 4},
+    "fault_window_s": 120.0,
+}
+
+CLUSTER_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "stream_leader_killed",
+        "3-node cluster: the stream leader killed (kill -9), restarted seconds later",
+        nemeses=(nemesis.KILL_STREAM_LEADER,),
+        **CLUSTERED,
+    ),
+    Scenario(
+        "consumer_leader_killed",
+        "3-node cluster: the consumer leader killed (kill -9), restarted seconds later",
+        nemeses=(nemesis.KILL_CONSUMER_LEADER,),
+        **CLUSTERED,
+    ),
+    Scenario(
+        "rolling_restart",
+        "3-node cluster: every server restarted in turn, as an upgrade does",
+        nemeses=(nemesis.ROLLING_RESTART,),
+        **CLUSTERED,
+    ),
+    Scenario(
+        "partition",
+        "3-node cluster: one server cut from its peers for 10-14 s, then healed",
+        nemeses=(nemesis.PARTITION,),
+        **CLUSTERED,
+    ),
+    Scenario(
+        "failover_async",
+        "PostgreSQL async standby promoted after WAL shipping was held 2-4 s",
+        nemeses=(nemesis.FAILOVER,),
+        fresh_servers=True,
+        **CLUSTERED,
+    ),
+    Scenario(
+        "failover_async_no_idempotency",
+        "the same failover with a gateway that keeps no idempotency keys",
+        nemeses=(nemesis.FAILOVER,),
+        fresh_servers=True,
+        doubles_repaired=True,
+        **(CLUSTERED | {"gateway": FLOWING | {"idempotency_enabled": False}}),
+    ),
+    Scenario(
+        "failover_sync",
+        "PostgreSQL synchronous standby promoted after WAL shipping was held 2-4 s",
+        nemeses=(nemesis.FAILOVER,),
+        fresh_servers=True,
+        **(CLUSTERED | {"shape": "cluster_sync"}),
+    ),
+)
+
 COMBINED = Scenario(
     "combined",
     "every nemesis at once, slow scoring, lost answers, every failpoint at 0.005",
@@ -150,4 +214,4 @@ COMBINED = Scenario(
     quiet_within_s=300.0,
 )
 
-BY_NAME = {s.name: s for s in (*SCENARIOS, COMBINED)}
+BY_NAME = {s.name: s for s in (*SCENARIOS, *CLUSTER_SCENARIOS, COMBINED)}

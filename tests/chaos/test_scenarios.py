@@ -13,25 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.cluster import Servers
+from tests.chaos.cluster import ServerPool
 from tests.chaos.run import run_scenario
-from tests.chaos.scenarios import SCENARIOS, Scenario
+from tests.chaos.scenarios import CLUSTER_SCENARIOS, SCENARIOS, Scenario
 
 SEED = int(os.environ.get("CHAOS_SEED", "20261130"))
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    started = Servers().start()
-    yield started
-    started.stop()
+def pool() -> Iterator[ServerPool]:
+    servers = ServerPool()
+    yield servers
+    servers.stop()
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-async def test_scenario(servers: Servers, scenario: Scenario, tmp_path: Path) -> None:
-    result = await run_scenario(
-        servers, scenario, size=scenario.quick_size, seed=SEED, root=tmp_path
-    )
+@pytest.mark.parametrize("scenario", [*SCENARIOS, *CLUSTER_SCENARIOS], ids=lambda s: s.name)
+async def test_scenario(pool: ServerPool, scenario: Scenario, tmp_path: Path) -> None:
+    with pool.lend(scenario.shape, fresh=scenario.fresh_servers) as servers:
+        result = await run_scenario(
+            servers, scenario, size=scenario.quick_size, seed=SEED, root=tmp_path
+        )
     print(result.report() if not result.passed else result.row())
     assert result.passed, result.report()
