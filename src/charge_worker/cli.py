@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from charge_worker import event_loop, logs
+from charge_worker.display import printable
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.settings import Settings, load_settings
 
@@ -28,7 +29,9 @@ class _OneLineErrors(click.Group):
         try:
             return super().invoke(ctx)
         except ChargeWorkerError as error:
-            raise click.ClickException(f"{type(error).__name__}: {error}") from error
+            # one line even when a driver's message has several (PostgreSQL's DETAIL), and
+            # nothing a dependency or a message said is obeyed by the terminal
+            raise click.ClickException(printable(f"{type(error).__name__}: {error}")) from error
 
 
 def _settings() -> Settings:

@@ -2,8 +2,9 @@
 
 Each command opens one pool (`create_pool`) or, for a run that holds a session lock or
 works one statement at a time, one connection (`connect`). `translated()` turns asyncpg's
-errors and socket errors into `DependencyUnavailable`, keeping `__cause__`, so that
-nothing above the adapters imports asyncpg's exceptions.
+errors and socket errors into `DependencyUnavailable`, and a value PostgreSQL cannot store
+into `UnstorableValue`, keeping `__cause__`, so that nothing above the adapters imports
+asyncpg's exceptions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 
-from charge_worker.errors import DependencyUnavailable
+from charge_worker.errors import DependencyUnavailable, UnstorableValue
 from charge_worker.settings import DbSettings, require
 
 PROBE_TIMEOUT_S = 2.0
@@ -23,9 +24,13 @@ DRIVER_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 @contextlib.asynccontextmanager
 async def translated(what: str = "ledger") -> AsyncIterator[None]:
-    """Driver errors inside become `DependencyUnavailable("<what>: …")`."""
+    """Driver errors inside become `DependencyUnavailable("<what>: …")`; a value that cannot
+    be stored (SQLSTATE class 22, or one asyncpg cannot encode) becomes `UnstorableValue`:
+    retrying it would fail the same way for ever."""
     try:
         yield
+    except asyncpg.DataError as error:
+        raise UnstorableValue(f"{what}: {type(error).__name__}: {error}") from error
     except DRIVER_ERRORS as error:
         raise DependencyUnavailable(f"{what}: {type(error).__name__}: {error}") from error
 

@@ -19,6 +19,7 @@ import datetime as dt
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from email.header import Header, decode_header
 from typing import Any, Literal
 
 import nats.errors
@@ -27,7 +28,9 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg, StreamState
 
 from charge_worker import streams
+from charge_worker.display import printable
 from charge_worker.errors import DependencyUnavailable, ProvisioningError
+from charge_worker.messages import valid_traceparent
 from charge_worker.settings import NatsSettings
 
 MAX_ERROR_CHARS = 300
@@ -41,17 +44,36 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def header_text(value: object) -> str:
+    """A header value as text, whatever nats-py made of it: its JetStream API (`get_msg`)
+    reads a non-ASCII value into an `email.header.Header`, not a string."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Header):
+        return "".join(
+            part.decode("utf-8", "replace") if isinstance(part, bytes) else part
+            for part, _charset in decode_header(value)
+        )
+    return str(value)
+
+
+def _ascii(text: str) -> str:
+    """Printable ASCII: anything else escaped (`\\xfc`, `\\x1b`), so that every reader,
+    nats-py's included, reads the header back as the same plain string."""
+    return printable(text).encode("ascii", "backslashreplace").decode("ascii")
+
+
 def envelope_headers(
     *,
     reason: str,
     error: str,
     stream_seq: int,
     num_delivered: int,
-    original: Mapping[str, str] | None,
+    original: Mapping[str, object] | None,
     first_seen: str | None = None,
 ) -> dict[str, str]:
-    """The dead-letter headers; `error` is cut to one line."""
-    one_line = " ".join((error or reason).split())[:MAX_ERROR_CHARS]
+    """The dead-letter headers, printable ASCII; `error` is cut to one line."""
+    one_line = _ascii(" ".join((error or reason).split()))[:MAX_ERROR_CHARS]
     headers = {
         "Dlq-Reason": reason,
         "Dlq-Error": one_line,
@@ -63,16 +85,16 @@ def envelope_headers(
     }
     original = original or {}
     if msg_id := original.get("Nats-Msg-Id"):
-        headers["Dlq-Orig-Msg-Id"] = msg_id
-    if traceparent := original.get("traceparent"):
+        headers["Dlq-Orig-Msg-Id"] = _ascii(header_text(msg_id))
+    if traceparent := valid_traceparent(header_text(original.get("traceparent"))):
         headers["traceparent"] = traceparent
     return headers
 
 
 def replay_headers(dlq_seq: int, envelope: Mapping[str, str]) -> dict[str, str]:
-    """Headers of a replay: a fresh `Nats-Msg-Id`, and the original `traceparent` if any."""
+    """Headers of a replay: a fresh `Nats-Msg-Id`, and the original `traceparent` if valid."""
     headers = {"Nats-Msg-Id": f"replay:{dlq_seq}"}
-    if traceparent := envelope.get("traceparent"):
+    if traceparent := valid_traceparent(envelope.get("traceparent")):
         headers["traceparent"] = traceparent
     return headers
 
@@ -137,12 +159,14 @@ class Letter:
         )
 
     def pretty_body(self) -> str:
-        """The body as indented JSON when it is UTF-8 JSON, else the repr of its bytes."""
+        """The body as indented JSON when it is UTF-8 JSON, else the repr of its bytes;
+        printable either way (see `display.printable`)."""
         try:
             parsed = json.loads(self.body.decode("utf-8"))
         except ValueError:
             return repr(self.body)
-        return json.dumps(parsed, indent=2, ensure_ascii=False)
+        indented = json.dumps(parsed, indent=2, ensure_ascii=False)
+        return "\n".join(printable(line) for line in indented.split("\n"))
 
 
 @dataclass(frozen=True)
@@ -186,7 +210,8 @@ MIN_ERROR_WIDTH = 20
 
 
 def table(rows: Iterable[DeadLetterSummary], width: int) -> list[str]:
-    """A header and one line per dead letter; the error is cut to fit `width` characters."""
+    """A header and one line per dead letter, printable (see `display.printable`); the error
+    is cut to fit `width` characters."""
     lines = [_ROW.format(*_TITLES) + "ERROR"]
     for row in rows:
         cells = (
@@ -198,9 +223,9 @@ def table(rows: Iterable[DeadLetterSummary], width: int) -> list[str]:
             row.order_id,
             row.billing_period,
         )
-        prefix = _ROW.format(*("-" if cell is None else str(cell) for cell in cells))
+        prefix = _ROW.format(*("-" if cell is None else printable(str(cell)) for cell in cells))
         room = max(width - len(prefix), MIN_ERROR_WIDTH)
-        error = row.error or "-"
+        error = printable(row.error or "-")
         lines.append(prefix + (error if len(error) <= room else error[: room - 1] + "…"))
     return lines
 
@@ -220,7 +245,7 @@ class DeadLetters:
         error: str,
         stream_seq: int,
         num_delivered: int,
-        original: Mapping[str, str] | None,
+        original: Mapping[str, object] | None,
         first_seen: str | None = None,
     ) -> None:
         """Publish a dead letter and wait for JetStream to store it."""
@@ -238,11 +263,11 @@ class DeadLetters:
             raise DependencyUnavailable(f"dead-letter stream not writable: {error_!r}") from error_
 
     async def requeue(
-        self, body: bytes, headers: Mapping[str, str] | None, *, from_seq: int
+        self, body: bytes, headers: Mapping[str, object] | None, *, from_seq: int
     ) -> None:
         """Publish a fresh copy of the charges stream's message `from_seq`, its deliveries
         unspent; `Nats-Msg-Id: requeue:<seq>` keeps it to one copy however many try."""
-        copy = {k: v for k, v in (headers or {}).items() if k != "Nats-Msg-Id"}
+        copy = {k: header_text(v) for k, v in (headers or {}).items() if k != "Nats-Msg-Id"}
         copy["Nats-Msg-Id"] = f"requeue:{from_seq}"
         copy["Charge-Requeued-From"] = str(from_seq)
         try:
@@ -270,7 +295,8 @@ class DeadLetters:
             return None
         except _NATS_ERRORS as error:
             raise self._unavailable(error) from error
-        return Letter(seq, dict(stored.headers or {}), stored.data or b"")
+        headers = {name: header_text(value) for name, value in (stored.headers or {}).items()}
+        return Letter(seq, headers, stored.data or b"")
 
     async def scan(self, reason: str | None = None) -> AsyncGenerator[Letter, None]:
         """Every dead letter (with this `Dlq-Reason`) present when the scan starts, in order."""

@@ -14,7 +14,8 @@ Our exception hierarchy::
     ├── PermanentError ........... never retried: dead letter (reason = outcome), then term
     │   ├── PoisonMessage ........ the message breaks contracts/charge-due.md
     │   ├── PayloadConflict ...... same (order_id, billing_period), other amount/currency/customer
-    │   └── GatewayRejected ...... the gateway refused the request as invalid
+    │   ├── GatewayRejected ...... the gateway refused the request as invalid
+    │   └── UnstorableValue ...... PostgreSQL cannot store a value (a NUL, out of range): poison
     ├── TransientError ........... retry later with the same key (carries retry_after_s)
     │   ├── DependencyUnavailable  connection refused, breaker open, server restarting
     │   ├── NoVerdict ............ scoring gave no verdict and the policy is `hold`
@@ -151,3 +152,16 @@ class DeliveryTooLarge(DeliveryRejected):
 
     status_code = 413
     result = "too_large"
+
+
+class UnstorableValue(PermanentError):
+    """PostgreSQL cannot store a value of the message, however often it is retried."""
+
+    outcome = "poison"
+
+
+class DeliveryTooSlow(DeliveryRejected):
+    """The body did not arrive within the configured deadline."""
+
+    status_code = 408
+    result = "too_slow"

@@ -3,6 +3,8 @@
 The ledger row says where the charge stands; `charge_events` says how it got there
 (scheduled, published, every delivery with its claim, scoring, lookup, gateway answer and
 action, every gateway call, reconcile's repairs); `--gateway` adds what the gateway holds.
+Much of it came from message bodies and the gateway: each line is printed escaped
+(`display.printable`), so that no escape sequence in it reaches the terminal.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import click
 
 from charge_worker import events
 from charge_worker.database import create_pool, translated
+from charge_worker.display import printable
 from charge_worker.gateway import GatewayClient
 from charge_worker.messages import idempotency_key
 from charge_worker.settings import Settings
@@ -67,25 +70,34 @@ async def explain_command(
         }
         click.echo(json.dumps(document, default=str, indent=2))
         return 0
-    click.echo(_headline(key, state))
+    for line in _headline(key, state):
+        _say(line)
     if row is not None and row["check_status"]:
-        click.echo(f"  deferred scoring check: {row['check_status']} ({row['check_reason']})")
-    click.echo("story:")
+        _say(f"  deferred scoring check: {row['check_status']} ({row['check_reason']})")
+    _say("story:")
     for event in story:
         when = event.at.astimezone(dt.UTC).isoformat(timespec="milliseconds")
-        click.echo(f"  {when}  {event.actor:<28.28}  {event.kind:<12}  {describe(event)}")
+        actor = printable(event.actor)
+        _say(f"  {when}  {actor:<28.28}  {event.kind:<12}  {describe(event)}")
     if ask_gateway:
-        click.echo("at the gateway:" if at_gateway else "at the gateway: no charge for this key")
+        _say("at the gateway:" if at_gateway else "at the gateway: no charge for this key")
         for charge in at_gateway:
             created = dt.datetime.fromtimestamp(charge["created"], dt.UTC).isoformat()
             money = f"{charge['amount']} {charge['currency']}"
-            click.echo(f"  {charge['id']}  {charge['status']:<9}  {money}  created {created}")
+            # a refunded charge stays `succeeded` at the gateway (contracts/gateway.md)
+            refunded = charge.get("amount_refunded", 0)
+            refund = f", refunded {refunded}" if refunded else ""
+            _say(f"  {charge['id']}  {charge['status']:<9}  {money}{refund}  created {created}")
     return 0
 
 
-def _headline(key: str, state: dict[str, Any]) -> str:
+def _say(line: str) -> None:
+    click.echo(printable(line))
+
+
+def _headline(key: str, state: dict[str, Any]) -> list[str]:
     if not state:
-        return f"charge {key}: no ledger row (only events)"
+        return [f"charge {key}: no ledger row (only events)"]
     money = f"{state['amount_minor']} {state['currency']}"
     charge = f" {state['gateway_charge_id']}" if "gateway_charge_id" in state else ""
     lines = [
@@ -103,7 +115,7 @@ def _headline(key: str, state: dict[str, Any]) -> str:
     for name in ("last_error", "review_reason"):
         if name in state:
             lines.append(f"  {name.replace('_', ' ')}: {state[name]}")
-    return "\n".join(lines)
+    return lines
 
 
 def describe(event: events.Event) -> str:

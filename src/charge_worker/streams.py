@@ -26,6 +26,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from charge_worker.display import without_credentials
 from charge_worker.errors import DependencyUnavailable, ProvisioningError
 from charge_worker.settings import NatsSettings, require
 
@@ -189,15 +190,18 @@ async def provision(
 
 
 async def connect(cfg: NatsSettings, *, name: str, reconnect: bool = True) -> Client:
-    """Connect to NATS_URL, failing within seconds if it is down now.
+    """Connect to NATS_URL, failing within seconds if none of its servers answers.
 
-    With `reconnect`, a connection that is lost later is re-established forever (a
-    worker rides out a nats-server restart); without, an operator command just fails.
+    NATS_URL may list several servers, comma-separated (a cluster): any that answers will
+    do, and the others are where a lost connection goes. With `reconnect`, a connection
+    lost later is re-established forever (a worker rides out a nats-server restart or a
+    node's loss); without, an operator command just fails.
     """
     url = require(cfg.url, "NATS_URL")
+    servers = [server.strip() for server in url.split(",") if server.strip()]
     try:
         nc = await nats.connect(
-            url,
+            servers=servers,
             name=name,
             user_credentials=str(cfg.nats_creds_file) if cfg.nats_creds_file else None,
             connect_timeout=CONNECT_TIMEOUT_S,
@@ -208,7 +212,8 @@ async def connect(cfg: NatsSettings, *, name: str, reconnect: bool = True) -> Cl
         )
     except (OSError, TimeoutError, nats.errors.Error) as error:
         cause = str(error) or type(error).__name__
-        raise DependencyUnavailable(f"cannot connect to NATS at {url}: {cause}") from error
+        where = without_credentials(url)
+        raise DependencyUnavailable(f"cannot connect to NATS at {where}: {cause}") from error
     if reconnect:
         nc.options["max_reconnect_attempts"] = -1  # from now on: forever
     return nc

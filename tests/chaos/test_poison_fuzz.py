@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import random
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Callable
 
@@ -96,6 +97,7 @@ def assert_keeps_contract(charge: ChargeDue, raw: bytes) -> None:
         value = getattr(charge, field)
         assert isinstance(value, str), (field, value)
         assert 1 <= len(value) <= 64, (field, value)
+        assert not any(_control(c) for c in value), (field, value)  # PostgreSQL refuses a NUL
         assert body[field] == value, field
     assert re.fullmatch(r"[A-Z]{3}", charge.currency)
     assert body["currency"] == charge.currency
@@ -103,9 +105,39 @@ def assert_keeps_contract(charge: ChargeDue, raw: bytes) -> None:
     assert body["billing_period"] == charge.billing_period.isoformat()
     assert isinstance(charge.due_at, dt.datetime)
     assert charge.due_at.utcoffset() is not None
+    assert _in_utc_years(charge.due_at), charge.due_at  # else it cannot be stored
     assert isinstance(body["due_at"], str)
     if RFC3339.fullmatch(body["due_at"]):
         assert dt.datetime.fromisoformat(body["due_at"]) == charge.due_at
+
+
+def _control(char: str) -> bool:
+    """A control character (C0, DEL, C1) or a lone surrogate: no id may hold one."""
+    return unicodedata.category(char) in ("Cc", "Cs")
+
+
+def _in_utc_years(moment: dt.datetime) -> bool:
+    """In UTC, still within the years 1-9999 (Python's, and the ledger's, range)."""
+    try:
+        moment.astimezone(dt.UTC)
+    except OverflowError:
+        return False
+    return True
+
+
+def _id(value: str) -> bool:
+    return 1 <= len(value) <= 64 and not any(_control(c) for c in value)
+
+
+def _due_at(value: str) -> bool | None:
+    """An RFC 3339 timestamp storable in UTC; None for look-alikes decided elsewhere."""
+    if not RFC3339.fullmatch(value):
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return _in_utc_years(moment)
 
 
 def _iso_date(value: str) -> bool:
@@ -120,11 +152,11 @@ def _iso_date(value: str) -> bool:
 # reads some RFC 3339 look-alikes too, so only the clear cases are).
 STRING_RULES: dict[str, Callable[[str], bool | None]] = {
     "schema": lambda v: v == "charge.due/v1",
-    "subscription_id": lambda v: 1 <= len(v) <= 64,
-    "customer_id": lambda v: 1 <= len(v) <= 64,
+    "subscription_id": _id,
+    "customer_id": _id,
     "currency": lambda v: re.fullmatch(r"[A-Z]{3}", v) is not None,
     "billing_period": _iso_date,
-    "due_at": lambda v: True if RFC3339.fullmatch(v) else None,
+    "due_at": _due_at,
 }
 
 
@@ -171,15 +203,27 @@ other_tokens = st.one_of(
 any_token = st.one_of(int_tokens, float_tokens, other_tokens)
 
 aware = st.integers(-1439, 1439).map(lambda m: dt.timezone(dt.timedelta(minutes=m)))
+# Ids: any text, and text salted with control characters (a NUL passed, then failed to be
+# stored on every delivery: found in production, missed while ids were drawn from plain text).
+ids = st.one_of(
+    st.text(min_size=1, max_size=64),
+    st.text(st.characters(categories=["Cc"]) | st.characters(), min_size=1, max_size=64),
+)
+# Timestamps anywhere, and within a day of the ends of the years 1-9999, where an offset moves
+# them out of range in UTC (also found in production).
+first_day = st.datetimes(dt.datetime(1, 1, 1), dt.datetime(1, 1, 2), timezones=aware)
+last_day = st.datetimes(dt.datetime(9999, 12, 31), timezones=aware)
 VALID_TOKENS: dict[str, st.SearchStrategy[str]] = {
     "schema": st.just('"charge.due/v1"'),
     "order_id": st.integers(1, MAX_INT).map(str),
     "amount_minor": st.integers(1, MAX_INT).map(str),
-    "subscription_id": st.text(min_size=1, max_size=64).map(json.dumps),
-    "customer_id": st.text(min_size=1, max_size=64).map(json.dumps),
+    "subscription_id": ids.map(json.dumps),
+    "customer_id": ids.map(json.dumps),
     "currency": st.from_regex(r"\A[A-Z]{3}\Z").map(json.dumps),
     "billing_period": st.dates().map(lambda d: json.dumps(d.isoformat())),
-    "due_at": st.datetimes(timezones=aware).map(lambda t: json.dumps(t.isoformat())),
+    "due_at": st.one_of(st.datetimes(timezones=aware), first_day, last_day).map(
+        lambda t: json.dumps(t.isoformat())
+    ),
 }
 naive_due_at = st.datetimes().map(lambda t: json.dumps(t.isoformat()))
 
@@ -204,6 +248,10 @@ def field_and_token(draw: st.DrawFn) -> tuple[str, str | None]:
 @example(case=("order_id", "9" * 5000))
 @example(case=("order_id", "false"))
 @example(case=("currency", '"RUB\\n"'))
+@example(case=("customer_id", '"cus\\u0000"'))
+@example(case=("subscription_id", '"\\u001b[2J"'))
+@example(case=("due_at", '"0001-01-01T00:30:00+01:00"'))
+@example(case=("due_at", '"9999-12-31T23:30:00-01:00"'))
 def test_one_field_breaks_its_rule_or_keeps_it(case: tuple[str, str | None]) -> None:
     field, token = case
     charge = outcome(body_with(field, token))
@@ -348,6 +396,9 @@ NASTY_TOKENS = [
     '"2026-9-1"',
     '"2026-12-01T00:00:00"',
     '"charge.due/v2"',
+    '"cus\\u0000"',
+    '"0001-01-01T00:30:00+01:00"',
+    '"9999-12-31T23:30:00-01:00"',
 ]
 
 
@@ -371,6 +422,11 @@ def named_poison() -> list[bytes]:
         body_with("order_id", "9" * 5000, base=base(1003)),
         body_with("schema", '"charge.due/v2"', first='"charge.due/v1"', base=base(1004)),
         *(body_with("amount_minor", a, base=base(1010 + i)) for i, a in enumerate(amounts)),
+        # found in production: parsed, then refused by PostgreSQL on every delivery
+        body_with("customer_id", '"cus\\u0000"', base=base(1020)),
+        body_with("subscription_id", '"sub\\u0000"', base=base(1021)),
+        body_with("due_at", '"0001-01-01T00:30:00+01:00"', base=base(1022)),
+        body_with("due_at", '"9999-12-31T23:30:00-01:00"', base=base(1023)),
     ]
 
 

@@ -91,8 +91,53 @@ def test_provision_reports_drift_with_exit_3(nats_settings: NatsSettings) -> Non
     assert f"updated consumer {stream}/charges-worker" in applied.stdout
 
 
+@pytest.mark.parametrize("spacing", [",", ", "])
+def test_nats_url_may_list_several_servers_and_any_that_answers_will_do(
+    nats_settings: NatsSettings, spacing: str
+) -> None:
+    """As the chart writes it: `nats://a:4222,nats://b:4222,nats://c:4222`, seeds down."""
+    down = [f"nats://127.0.0.1:{free_port()}" for _ in range(2)]
+    env = {
+        "NATS_URL": spacing.join([down[0], str(nats_settings.url), down[1]]),
+        "CHARGE_WORKER_STREAM": nats_settings.stream,
+        "CHARGE_WORKER_SUBJECT": nats_settings.subject,
+        "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
+        "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
+    }
+    result = run("provision", env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"created stream {nats_settings.stream}" in result.stdout
+
+
 def test_unreachable_nats_is_one_line_within_seconds() -> None:
     result = run("provision", env={"NATS_URL": f"nats://127.0.0.1:{free_port()}"})
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: DependencyUnavailable: cannot connect to NATS")
+
+
+SECRET = "s3cr3t-pw"
+
+
+def test_credentials_in_the_nats_url_are_never_printed() -> None:
+    """Found in production: a connect error printed NATS_URL with its user and password."""
+    port = free_port()
+    result = run("provision", env={"NATS_URL": f"nats://alice:{SECRET}@127.0.0.1:{port}"})
+    assert result.returncode == 1
+    assert SECRET not in result.stdout + result.stderr
+    assert f"cannot connect to NATS at nats://***@127.0.0.1:{port}" in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_the_demo_never_prints_credentials_of_the_servers_it_is_given() -> None:
+    """Found in production: the demo printed a DATABASE_URL it was given, password and all."""
+    nats_port, pg_port = free_port(), free_port()
+    env = {
+        "NATS_URL": f"nats://alice:{SECRET}@127.0.0.1:{nats_port}",
+        "DATABASE_URL": f"postgresql://bob:{SECRET}@127.0.0.1:{pg_port}/ledger",
+    }
+    result = run("demo", env=env)
+    assert result.returncode == 1  # nothing listens there
+    assert SECRET not in result.stdout + result.stderr
+    assert f"using NATS_URL=nats://***@127.0.0.1:{nats_port}" in result.stdout
+    assert f"using DATABASE_URL=postgresql://***@127.0.0.1:{pg_port}/ledger" in result.stdout

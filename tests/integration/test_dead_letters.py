@@ -134,3 +134,39 @@ async def test_unwritable_dead_letter_stream_naks_never_drops(
         await streams.provision(js, settings.nats)  # the DLQ is back
         await eventually(lambda: dead_letters_at_least(nc, settings.nats), "dead-lettered at last")
     assert await consumer_idle(nc, settings.nats)
+
+
+async def test_a_body_postgresql_cannot_store_is_dead_lettered_poison_at_once(
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
+    """Found in production: these passed the parser and failed in PostgreSQL on every
+    delivery; taken for an outage, one was requeued 41 times in 8 minutes."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    cfg = settings.nats
+    js = await provisioned(nc, settings)
+    bodies = [
+        due(71, customer="cus\x00"),
+        due(72, subscription_id="sub\x00"),
+        due(73, due_at="0001-01-01T00:30:00+01:00"),
+        due(74, due_at="9999-12-31T23:30:00-01:00"),
+    ]
+    async with running_worker(settings) as worker:
+        seqs = [await publish(js, cfg.subject, body) for body in bodies]
+        await eventually(lambda: dead_letters_at_least(nc, cfg, len(bodies)), "the dead letters")
+        await eventually(lambda: consumer_idle(nc, cfg), "every message settled")
+        assert worker.metric("charge_worker_dead_letters_total", reason="poison") == len(bodies)
+        assert worker.metric("charge_worker_redeliveries_total") == 0
+        assert worker.metric("charge_worker_requeues_total") == 0
+    for dlq_seq, (seq, body) in enumerate(zip(seqs, bodies, strict=True), start=1):
+        dead = await js.get_msg(cfg.dlq_stream, dlq_seq)
+        headers = dead.headers or {}
+        assert dead.data == body
+        assert headers["Dlq-Reason"] == "poison"
+        assert headers["Dlq-Stream-Seq"] == str(seq)
+        assert headers["Dlq-Num-Delivered"] == "1"
+    assert (await nc.jetstream().stream_info(cfg.stream)).state.last_seq == seqs[-1]
+    assert await gateway_charges(gateway_sim.url) == {}

@@ -213,3 +213,39 @@ def test_table_cuts_the_error_to_the_width() -> None:
     assert len(line) == 120
     assert line.endswith("x…")
     assert line.split()[:7] == ["12", "2026-12-01T00:00:05Z", "poison", "-", "1", "-", "-"]
+
+
+async def test_a_non_ascii_error_is_written_ascii_safe_and_listed(dead: DeadLetters) -> None:
+    """Found in production: one dead letter whose Dlq-Error held non-ASCII text broke
+    `dlq list` (nats-py reads such a header back as an email `Header`, not a string)."""
+    await write(dead, due(1), error="field 'überweisung' appears more than once 💳")
+
+    letter = await dead.get(1)
+    page = await dead.summaries()
+
+    assert letter is not None
+    escaped = "field '\\xfcberweisung' appears more than once \\U0001f4b3"
+    assert letter.headers["Dlq-Error"] == escaped
+    assert all(isinstance(value, str) for value in letter.headers.values())
+    assert [row.error for row in page.items] == [escaped]
+    assert table(page.items, width=200)[1].endswith(escaped)
+
+
+async def test_headers_written_by_anyone_are_read_as_strings(
+    dead: DeadLetters, js: JetStreamContext, nats_settings: NatsSettings
+) -> None:
+    """A dead letter written before the fix, or by another tool, with non-ASCII headers."""
+    headers = {
+        "Nats-Msg-Id": "dlq:9",
+        "Dlq-Reason": "poison",
+        "Dlq-Error": "Betrag ungültig: 💳",
+        "Dlq-Orig-Msg-Id": "заказ-9",
+    }
+    await js.publish(nats_settings.dlq_subject, due(9), headers=headers)
+
+    letter = await dead.get(1)
+    page = await dead.summaries()
+
+    assert letter is not None
+    assert letter.headers == headers
+    assert [row.error for row in page.items] == ["Betrag ungültig: 💳"]

@@ -8,6 +8,7 @@ import asyncpg
 import pytest
 from nats.aio.client import Client
 
+from charge_worker import events
 from charge_worker.explain import explain_command
 from charge_worker.producer.schedule import produce
 from charge_worker.reconcile.run import run_reconcile
@@ -95,3 +96,36 @@ async def test_quiet_charge_republished_by_reconcile(
 
 async def test_unknown_charge_exits_1(settings: Settings) -> None:
     assert await explain_command(settings, 999, DAY, as_json=True, ask_gateway=False) == 1
+
+
+async def test_escape_sequences_in_the_story_never_reach_the_terminal(
+    settings: Settings, conn: asyncpg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in production: text from message bodies, stored in the ledger and its story,
+    reached the operator's terminal through `explain` as escape sequences."""
+    await put_row(conn, 5, "pending", customer="cus\x1b[2J")
+    await conn.execute(
+        "UPDATE charge_attempts SET last_error = $1 WHERE order_id = 5", "gateway said \x9b31m"
+    )
+    await events.record(
+        conn,
+        5,
+        DAY,
+        "delivery",
+        "worker-\x1b]0;owned\x07",
+        delivery=1,
+        stream_seq=9,
+        outcome="outcome_unknown",
+        action="nak",
+        error="gateway timed out \u202egnp.exe",
+    )
+    await events.record(conn, 5, DAY, "discrepancy", "reconcile", why="\x1b[31mred")
+
+    story = await told(settings, 5, capsys)
+
+    assert all(line.isprintable() for line in story.splitlines()), story
+    assert "customer cus\\x1b[2J" in story
+    assert "last error: gateway said \\x9b31m" in story
+    assert "worker-\\x1b]0;owned\\x07" in story
+    assert "gateway timed out \\u202egnp.exe" in story
+    assert "why \\x1b[31mred" in story

@@ -1,7 +1,9 @@
 """`charge-worker dlq list | show | replay`: the dead letters kept in `CHARGES_DLQ`.
 
 Each command prints its result and returns the exit code; the dead letters themselves are
-never changed or deleted here.
+never changed or deleted here. What a message brought is printed escaped
+(`display.printable`), or JSON-escaped with `--json`: a body is no place to take escape
+sequences for the operator's terminal from.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 import click
 
+from charge_worker.display import printable
 from charge_worker.dlq import opened, table
 from charge_worker.settings import Settings
 
@@ -28,7 +31,8 @@ async def list_command(settings: Settings, *, reason: str | None, limit: int, as
         click.echo("no dead letters" + (f" with reason {reason}" if reason else ""), err=as_json)
         return 0
     if as_json:
-        lines = [json.dumps(dataclasses.asdict(row), ensure_ascii=False) for row in page.items]
+        # ensure_ascii: json.dumps escapes C0 controls only, not C1 or bidirectional overrides
+        lines = [json.dumps(dataclasses.asdict(row)) for row in page.items]
     else:
         lines = table(page.items, width=shutil.get_terminal_size((200, 24)).columns)
     for line in lines:
@@ -48,7 +52,7 @@ async def show_command(settings: Settings, seq: int) -> int:
         )
         return 1
     for name, value in letter.headers.items():
-        click.echo(f"{name}: {value}")
+        click.echo(f"{printable(name)}: {printable(value)}")
     click.echo()
     click.echo(letter.pretty_body())
     return 0

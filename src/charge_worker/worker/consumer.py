@@ -24,6 +24,7 @@ from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
 from charge_worker.http import open_for_s
+from charge_worker.messages import valid_traceparent
 from charge_worker.settings import Settings
 from charge_worker.worker.decisions import (
     Action,
@@ -238,7 +239,7 @@ def _delivery(msg: Msg) -> Delivery:
         data=msg.data,
         stream_seq=meta.sequence.stream,
         num_delivered=meta.num_delivered,
-        traceparent=headers.get("traceparent"),
+        traceparent=valid_traceparent(headers.get("traceparent")),
         replayed=headers.get("Nats-Msg-Id", "").startswith("replay:"),
     )
 

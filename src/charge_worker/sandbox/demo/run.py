@@ -28,6 +28,7 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from charge_worker import event_loop, streams
+from charge_worker.display import without_credentials
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.demo import report
 from charge_worker.sandbox.demo.progress import await_settled, scrape_when_counted
@@ -64,12 +65,18 @@ def _step(text: str) -> None:
 @contextlib.contextmanager
 def _server(env_name: str, server: NatsServer | PostgresServer) -> Iterator[str]:
     if url := os.environ.get(env_name):
-        click.echo(f"    using {env_name}={url}")
+        click.echo(f"    using {env_name}={without_credentials(url)}")
         yield url
         return
     with server:
         click.echo(f"    started embedded {server.name} on {server.url} (data in {server.root})")
         yield server.url
+
+
+def _shown(env_name: str, url: str) -> str:
+    """A server's address to print: as it is when embedded (the demo's own, without a
+    password), without credentials when it came from the environment."""
+    return without_credentials(url) if os.environ.get(env_name) else url
 
 
 def _scoring_config() -> ScoringConfig:
@@ -236,7 +243,9 @@ def run_demo(*, keep: bool = False) -> None:
         else:
             click.secho("==> every expectation held", fg="green", bold=True)
         if keep:
-            click.echo(f"servers keep running: NATS {nats_url}, PostgreSQL {database_url},")
+            nats_shown = _shown("NATS_URL", nats_url)
+            database_shown = _shown("DATABASE_URL", database_url)
+            click.echo(f"servers keep running: NATS {nats_shown}, PostgreSQL {database_shown},")
             click.echo(f"gateway {gateway.url}, scoring {scoring.url}; press Ctrl-C to stop")
             with contextlib.suppress(KeyboardInterrupt):
                 event_loop.run(asyncio.Event().wait())
