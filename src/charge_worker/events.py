@@ -11,9 +11,13 @@ Kinds, and who writes them:
 |                |            | lookup, gateway answer, outcome, action, delay, error         |
 |                |            | (one settled by an answer or a block: with the settle itself) |
 | `republished`  | reconcile  | why, stream seq                                               |
-| `resolved`     | reconcile  | what a lookup found for an unknown outcome                    |
+| `resolved`     | reconcile  | what a lookup found for an unknown outcome; or a charge the   |
+|                |            | gateway made for a row the ledger had as declined, failed or  |
+|                |            | blocked, now recorded (`was`: that status, its last error)    |
 | `refund`       | reconcile  | charge id, refund id, reason                                  |
-| `discrepancy`  | reconcile  | what disagrees                                                |
+| `discrepancy`  | reconcile  | what disagrees: a ledger charge the gateway lacks, or a       |
+|                |            | captured charge not proven the key's own (`charge_id`, never  |
+|                |            | refunded); once per charge                                    |
 | `webhook`      | webhooks   | event id, type, charge id, revision, outcome, looked up       |
 
 Writing an event never decides anything: a failure to write one is logged and ignored. The

@@ -8,17 +8,25 @@ Every answer is classified here, and only here:
 | 402                                      | `ChargeResult(declined, code)`             |
 | 409 request_in_progress                  | `RequestInProgress`                        |
 | 429                                      | `RateLimited(retry_after_s=Retry-After)`   |
-| 400 / 422 (key_reused, invalid request)  | `GatewayRejected`                          |
+| 400 / 422 with the contract's error body | `GatewayRejected`                          |
+| (`invalid_request_error`,                |                                            |
+| `idempotency_error`: key_reused)         |                                            |
 | 401 / 403                                | `DependencyUnavailable` (our key is wrong) |
+| any other 4xx (404, 405, 408, 413, …),   | `DependencyUnavailable` (not accepted:     |
+| or 400 / 422 without that body           | nothing charged, try later)                |
 | 5xx, timeout, reset, unreadable 200      | `OutcomeUnknown`                           |
 | connection refused (never sent)          | `DependencyUnavailable`                    |
 | breaker open                             | `DependencyUnavailable` (until half-open)  |
+
+Only the gateway's own verdict is final: a bare status from a proxy or a wrong path is not.
+Every `OutcomeUnknown` and `DependencyUnavailable` counts toward the breaker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,6 +47,8 @@ from charge_worker.settings import GatewaySettings, require
 
 DEFAULT_RETRY_AFTER_S = 1.0
 IN_PROGRESS_RETRY_S = 2.0
+FINAL_ERROR_TYPES = frozenset({"invalid_request_error", "idempotency_error"})
+FINAL_ERROR_CODES = frozenset({"charge_already_refunded"})  # the contract gives it no type
 
 
 @dataclass(frozen=True)
@@ -53,29 +63,55 @@ class ChargeResult:
 
 @dataclass(frozen=True)
 class GatewayCharge:
-    """A charge as the gateway's history shows it."""
+    """A charge as the gateway's history shows it.
+
+    A refunded charge keeps `status == "succeeded"` (contracts/gateway.md, "Refunds"):
+    `amount_refunded` and `refunded` show the refund, and `captured` says whether money is
+    still held by it.
+    """
 
     id: str
-    status: str  # succeeded | failed | refunded
+    status: str  # succeeded | failed
     amount: int
     currency: str
     customer: str
     order_id: str | None
     billing_period: str | None
     created: int
+    amount_refunded: int = 0
+    refunded: bool = False
+
+    @property
+    def charged(self) -> bool:
+        """The gateway made this charge (whether refunded since or not)."""
+        return self.status == "succeeded"
+
+    @property
+    def captured(self) -> bool:
+        """Money is still held by this charge: made, and not refunded in full."""
+        return self.charged and self.amount - self.amount_refunded > 0
+
+    @property
+    def fingerprint(self) -> str:
+        """Amount, currency and customer, as `charge_attempts.fingerprint` spells them."""
+        return f"{self.amount} {self.currency} {self.customer}"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GatewayCharge:
         metadata = data.get("metadata") or {}
+        amount, status = int(data["amount"]), str(data["status"])
+        refunded_in_full = status == "refunded"  # the status an older gateway reported
         return cls(
             id=str(data["id"]),
-            status=str(data["status"]),
-            amount=int(data["amount"]),
+            status="succeeded" if refunded_in_full else status,
+            amount=amount,
             currency=str(data["currency"]),
             customer=str(data["customer"]),
             order_id=metadata.get("order_id"),
             billing_period=metadata.get("billing_period"),
             created=int(data["created"]),
+            amount_refunded=amount if refunded_in_full else int(data.get("amount_refunded") or 0),
+            refunded=refunded_in_full or data.get("refunded") is True,
         )
 
 
@@ -211,6 +247,8 @@ class GatewayClient:
                     raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
                 if response.status_code >= 500:
                     raise OutcomeUnknown(f"gateway answered {response.status_code}")
+                if (refused := _refused(response)) is not None:
+                    raise refused  # inside the breaker: it counts
                 return response
         except pybreaker.CircuitBreakerError as error:
             raise DependencyUnavailable(
@@ -247,23 +285,52 @@ def _error(response: httpx.Response) -> dict[str, Any]:
     return error if isinstance(error, dict) else {}
 
 
-def _classify(response: httpx.Response) -> Exception:
-    """The domain error for a non-success answer (5xx never reaches here)."""
-    status, error = response.status_code, _error(response)
-    summary = f"gateway {status} {error.get('type', '')}/{error.get('code', '')}".rstrip("/")
-    if status == 409:
-        return RequestInProgress(summary, retry_after_s=IN_PROGRESS_RETRY_S)
-    if status == 429:
-        return RateLimited(summary, retry_after_s=_retry_after(response))
+def _summary(response: httpx.Response) -> str:
+    error = _error(response)
+    what = f"{error.get('type', '')}/{error.get('code', '')}".strip("/")
+    return f"gateway {response.status_code} {what}".rstrip()
+
+
+def _refused(response: httpx.Response) -> DependencyUnavailable | None:
+    """Our credentials refused, or the request not accepted at all (a wrong path, a proxy,
+    a limit): nothing was charged. None for every other answer."""
+    status = response.status_code
     if status in (401, 403):
-        return DependencyUnavailable(f"{summary}: check GATEWAY_API_KEY")
-    if 400 <= status < 500:
+        return DependencyUnavailable(f"{_summary(response)}: check GATEWAY_API_KEY")
+    if not 400 <= status < 500 or status in (402, 409, 429) or _verdict(response):
+        return None
+    why = " without the contract's error body" if status in (400, 422) else ""
+    return DependencyUnavailable(
+        f"gateway answered {status}{why}: not accepted, nothing charged, retried later"
+        " (a wrong GATEWAY_URL, a proxy, a limit?)"
+    )
+
+
+def _verdict(response: httpx.Response) -> bool:
+    """A 400/422 that carries the contract's error body: the gateway's own answer."""
+    error = _error(response)
+    return response.status_code in (400, 422) and (
+        error.get("type") in FINAL_ERROR_TYPES or error.get("code") in FINAL_ERROR_CODES
+    )
+
+
+def _classify(response: httpx.Response) -> Exception:
+    """The domain error for an answer `_send` let through that is no success."""
+    summary = _summary(response)
+    if response.status_code == 409:
+        return RequestInProgress(summary, retry_after_s=IN_PROGRESS_RETRY_S)
+    if response.status_code == 429:
+        return RateLimited(summary, retry_after_s=_retry_after(response))
+    if _verdict(response):
         return GatewayRejected(summary)
-    return OutcomeUnknown(summary)
+    return OutcomeUnknown(summary)  # e.g. a 402 where none belongs: nothing is known
 
 
 def _retry_after(response: httpx.Response) -> float:
+    """`Retry-After` in seconds, >= 0; unreadable or not finite (`inf`, `nan`): the default.
+    How long is too long is for the decisions, which know the backoff."""
     try:
-        return max(float(response.headers.get("Retry-After", DEFAULT_RETRY_AFTER_S)), 0.0)
+        delay = float(response.headers.get("Retry-After", DEFAULT_RETRY_AFTER_S))
     except ValueError:
         return DEFAULT_RETRY_AFTER_S
+    return max(delay, 0.0) if math.isfinite(delay) else DEFAULT_RETRY_AFTER_S

@@ -53,8 +53,10 @@ def build_client(
 def build_breaker(name: str, *, fail_max: int, reset_s: float) -> pybreaker.CircuitBreaker:
     """A breaker that counts only failures of the dependency itself.
 
-    A decline, a 409 or a 4xx is the dependency working; an unknown outcome or an
-    unreachable dependency is not. The original error is raised even on the call that
+    A decline, a 409, a 429 or the dependency's own rejection of a request is the
+    dependency working; an unknown outcome, an unreachable dependency, or a request it did
+    not accept at all (wrong credentials, a wrong path, a proxy's bare 4xx: raised as
+    `DependencyUnavailable`) is not. The original error is raised even on the call that
     trips the breaker, so its classification survives.
     """
     return pybreaker.CircuitBreaker(

@@ -48,7 +48,7 @@ WITH inserted AS (
        AND c.fingerprint = $6::bigint::text || ' ' || $7 || ' ' || $5
        AND (c.status = 'scheduled'
             OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now()))
-            OR ($12 AND c.status = 'failed' AND c.gateway_calls = 0))
+            OR ($12 AND c.status = 'failed'))
     RETURNING c.attempt, c.gateway_calls, c.scoring, p.lease_owner AS taken_from
 )
 SELECT attempt, gateway_calls, scoring, NULL::text AS taken_from FROM inserted
@@ -171,8 +171,10 @@ class Ledger:
     ) -> Claim:
         """Take the charge for `owner`, or raise what stands in the way.
 
-        `revive_failed` (an operator's `dlq replay`) also takes a `failed` row that never
-        reached the gateway, so a charge dead-lettered for a bug can be charged once fixed.
+        `revive_failed` (an operator's `dlq replay`) also takes a `failed` row, so a charge
+        dead-lettered for a bug (or an answer that charged nothing) can be charged once
+        fixed. A row that called the gateway before comes back with `outcome_unknown`: the
+        worker looks the key up before any new call, and records a charge it finds.
 
         Raises `AlreadySettled` (final already), `PayloadConflict` (same key, other
         amount/currency/customer), `LeaseHeld` (a live worker owns it).

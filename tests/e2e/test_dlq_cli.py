@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import asyncpg
+import httpx
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -19,7 +21,18 @@ from nats.js import JetStreamContext
 from charge_worker import streams
 from charge_worker.dlq import MAX_ERROR_CHARS, DeadLetters
 from charge_worker.sandbox.embedded import free_port
+from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
+from tests.support.harness import (
+    PERIOD,
+    due,
+    eventually,
+    gateway_charges,
+    provisioned,
+    running_worker,
+    set_sim,
+    settings_for,
+)
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 LONG_ERROR = "gateway said: " + "card number format invalid " * 20
@@ -358,3 +371,155 @@ async def test_missing_dead_letter_stream_is_one_line(env: dict[str, str]) -> No
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert "run `charge-worker provision`" in line
+
+
+async def test_list_and_show_a_dead_letter_with_non_ascii_headers(
+    env: dict[str, str], js: JetStreamContext, nats_settings: NatsSettings
+) -> None:
+    """Found in production: one dead letter whose Dlq-Error held non-ASCII text broke
+    `dlq list` for all of them (written here as an older version or another tool did)."""
+    headers = {
+        "Nats-Msg-Id": "dlq:21",
+        "Dlq-Reason": "poison",
+        "Dlq-Stream-Seq": "21",
+        "Dlq-Error": "Betrag ungültig",
+    }
+    await js.publish(nats_settings.dlq_subject, EXHAUSTED, headers=headers)
+
+    listed = await cli("dlq", "list", env=env | {"COLUMNS": "160"})
+    as_json = await cli("dlq", "list", "--json", env=env)
+    shown = await cli("dlq", "show", "1", env=env)
+
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[1].endswith("Betrag ungültig")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["error"] == "Betrag ungültig"
+    assert shown.returncode == 0, shown.stderr
+    assert "Dlq-Error: Betrag ungültig\n" in shown.stdout
+
+
+HOSTILE = json.dumps(
+    {
+        "schema": "charge.due/v1",
+        "order_id": "\x1b[2J\x1b[H",  # clear the screen
+        "billing_period": "\x1b]0;owned\x07\x9b2J",  # retitle the window; C1 CSI
+        "note": "\x9b31m\u202egnp.exe",  # C1 CSI, right-to-left override
+    }
+).encode()
+
+
+async def test_escape_sequences_from_a_body_never_reach_the_terminal(
+    env: dict[str, str], js: JetStreamContext, nats_settings: NatsSettings
+) -> None:
+    """Found in production: a message body's escape sequences reached the operator's
+    terminal through `dlq list` and `dlq show`. `--json` keeps the values, JSON-escaped."""
+    await js.publish(
+        nats_settings.dlq_subject,
+        HOSTILE,
+        headers={"Nats-Msg-Id": "dlq:5", "Dlq-Reason": "poison", "Dlq-Error": "bad\x1b[5m"},
+    )
+
+    listed = await cli("dlq", "list", env=env | {"COLUMNS": "160"})
+    as_json = await cli("dlq", "list", "--json", env=env)
+    shown = await cli("dlq", "show", "1", env=env)
+
+    for result in (listed, as_json, shown):
+        assert result.returncode == 0, result.stderr
+        assert all(line.isprintable() for line in result.stdout.splitlines()), result.stdout
+    assert "\\x1b[2J\\x1b[H" in listed.stdout
+    assert "bad\\x1b[5m" in listed.stdout
+    row = json.loads(as_json.stdout)
+    assert row["order_id"] == "\x1b[2J\x1b[H"
+    assert row["billing_period"] == "\x1b]0;owned\x07\x9b2J"
+    assert "Dlq-Error: bad\\x1b[5m\n" in shown.stdout
+    assert '"note": "\\x9b31m\\u202egnp.exe"' in shown.stdout
+
+
+async def test_replay_revives_failed_rows_and_looks_up_before_charging(
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    env: dict[str, str],
+) -> None:
+    """Two rows a gateway answer failed (a 404 from a wrong path, once taken for a final
+    rejection), each dead-lettered `rejected` after a gateway call. `dlq replay` brings both
+    back to a running worker, which looks each key up first: the key the gateway did charge
+    is recorded from the lookup, never charged again; the other is charged, once."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    js = await provisioned(nc, settings)
+    await set_sim(gateway_sim.url, idempotency_enabled=False)  # only the lookup guards now
+    made = await _charge_at_gateway(gateway_sim.url, 2)
+    dead = DeadLetters(js, settings.nats)
+    conn = await asyncpg.connect(database_url)
+    try:
+        for order_id in (1, 2):
+            await _failed_row(conn, order_id)
+            await dead.write(
+                due(order_id),
+                reason="rejected",
+                error="gateway 404",
+                stream_seq=order_id,
+                num_delivered=1,
+                original={"Nats-Msg-Id": f"charge:{order_id}:{PERIOD.isoformat()}"},
+            )
+        async with running_worker(settings):
+            replay = await cli("dlq", "replay", "--all", "--yes", env=env)
+            assert replay.returncode == 0, replay.stderr
+            assert replay.stdout == "replayed 2, skipped as duplicates 0, missing 0\n"
+
+            async def both_succeeded() -> bool:
+                rows = await conn.fetch("SELECT status FROM charge_attempts")
+                return [r["status"] for r in rows] == ["succeeded"] * 2
+
+            await eventually(both_succeeded, "both replayed charges settled")
+        recorded = await conn.fetchval(
+            "SELECT gateway_charge_id FROM charge_attempts WHERE order_id = 2"
+        )
+        lookups = await conn.fetch(
+            "SELECT order_id, detail->>'lookup' AS lookup FROM charge_events"
+            " WHERE kind = 'delivery' ORDER BY order_id"
+        )
+    finally:
+        await conn.close()
+    assert recorded == made
+    assert [(r["order_id"], r["lookup"]) for r in lookups] == [(1, "nothing"), (2, "charged")]
+    assert await gateway_charges(gateway_sim.url) == {
+        f"{n}:{PERIOD.isoformat()}": 1 for n in (1, 2)
+    }
+
+
+async def _charge_at_gateway(gateway_url: str, order_id: int) -> str:
+    """The charge an earlier call made although its answer said otherwise."""
+    body = {
+        "amount": 99000,
+        "currency": "RUB",
+        "customer": "cus_ok",
+        "metadata": {"order_id": str(order_id), "billing_period": PERIOD.isoformat()},
+    }
+    headers = {
+        "Authorization": "Bearer sk_test_sandbox",
+        "Idempotency-Key": f"{order_id}:{PERIOD.isoformat()}",
+    }
+    async with httpx.AsyncClient(base_url=gateway_url) as client:
+        response = await client.post("/v1/charges", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return str(response.json()["id"])
+
+
+async def _failed_row(conn: asyncpg.Connection, order_id: int) -> None:
+    """The row as a worker left it after a gateway call answered 404 (before the fix)."""
+    await conn.execute(
+        """
+        INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
+            customer_id, amount_minor, currency, status, gateway_calls, attempt, scoring,
+            last_error, settled_at)
+        VALUES ($1, $2, $3, $4, 'cus_ok', 99000, 'RUB', 'failed', 1, 1, 'approved',
+                'gateway 404', now())
+        """,
+        order_id,
+        PERIOD,
+        f"{order_id}:{PERIOD.isoformat()}",
+        f"sub_{order_id}",
+    )

@@ -63,15 +63,22 @@ async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
     await connection.close()
 
 
-async def charged(gateway_url: str, order_id: int, idempotency_key: str) -> str:
+async def charged(
+    gateway_url: str,
+    order_id: int,
+    idempotency_key: str,
+    *,
+    amount: int = 99000,
+    customer: str = "cus_ok",
+) -> str:
     """A charge made straight at the gateway; returns its id."""
     async with httpx.AsyncClient(base_url=gateway_url) as client:
         response = await client.post(
             "/v1/charges",
             json={
-                "amount": 99000,
+                "amount": amount,
                 "currency": "RUB",
-                "customer": "cus_ok",
+                "customer": customer,
                 "metadata": {"order_id": str(order_id), "billing_period": PERIOD},
             },
             headers={"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": idempotency_key},
@@ -97,9 +104,11 @@ async def succeeded_row(conn: asyncpg.Connection, order_id: int, charge_id: str)
 
 
 async def charges(gateway_url: str) -> dict[str, str]:
+    """Each charge at the gateway: `succeeded`, `failed`, or `refunded` (a succeeded charge
+    whose money went back: contracts/gateway.md, "Refunds")."""
     async with httpx.AsyncClient() as client:
         data = (await client.get(f"{gateway_url}/_sim/charges")).json()["data"]
-    return {c["id"]: c["status"] for c in data}
+    return {c["id"]: "refunded" if c.get("refunded") else c["status"] for c in data}
 
 
 async def set_sim(gateway_url: str, **config: Any) -> None:
@@ -142,9 +151,12 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
         "last_run_timestamp_seconds": 0,
         "double_charges": 1,
         "refunds": 1,
+        "unrecorded_charges": 0,
+        "ledger_repaired": 0,
         "discrepancies": 0,
         "unknown_resolved": 0,
         "republished": 0,
+        "unmatched_charges": 0,
         "errors": 0,
     }
 
@@ -153,6 +165,36 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
     assert set(json.loads(again.stdout)["counts"].values()) == {0}
     assert gauges(metrics)["refunds"] == 0
     assert await charges(gateway_sim.url) == {kept: "succeeded", extra: "refunded"}
+
+
+async def test_charges_not_proven_doubles_are_reported_never_refunded(
+    env: dict[str, str], conn: asyncpg.Connection, gateway_sim: ServedApp, tmp_path: Path
+) -> None:
+    """Charges made at the gateway with our metadata but another amount or customer, or
+    for a key the ledger has no row for: a plain `reconcile` refunds none of them; they
+    are reported for a person (JSON, metrics file, exit 4 when asked)."""
+    kept = await charged(gateway_sim.url, 1, f"1:{PERIOD}")
+    await succeeded_row(conn, 1, kept)
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    other_amount = await charged(gateway_sim.url, 1, "by-hand-1", amount=5000)
+    other_customer = await charged(gateway_sim.url, 1, "by-hand-2", customer="cus_other")
+    no_row = [await charged(gateway_sim.url, 2, f"by-hand-{n}") for n in (3, 4)]
+    before = await charges(gateway_sim.url)
+    metrics = tmp_path / "reconcile.prom"
+
+    plain = reconcile("--metrics-file", str(metrics), env=env)
+    assert plain.returncode == 0, plain.stderr
+    assert "unmatched charges" in plain.stdout
+    assert await charges(gateway_sim.url) == before  # nothing refunded
+    assert (gauges(metrics)["refunds"], gauges(metrics)["unmatched_charges"]) == (0, 4)
+
+    asked = reconcile("--json", "--fail-on-discrepancy", env=env)
+    assert asked.returncode == 4, asked.stderr
+    report = json.loads(asked.stdout)
+    assert report["counts"]["unmatched_charges"] == 4
+    reported = {c.split()[0] for item in report["unmatched_charges"] for c in item["charges"]}
+    assert reported == {other_amount, other_customer, *no_row}
+    assert await charges(gateway_sim.url) == before
 
 
 async def test_discrepancy_exits_4_only_when_asked_and_charges_nothing(

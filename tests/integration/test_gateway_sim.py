@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
+from tests.support.harness import eventually
 
 API_KEY = "sk_test_sandbox"
 
@@ -110,6 +116,8 @@ async def test_a_charge_succeeds(client: httpx.AsyncClient) -> None:
         "metadata": {"order_id": "48291", "billing_period": "2026-09-01"},
         "created": body["created"],
         "revision": 1,
+        "amount_refunded": 0,
+        "refunded": False,
     }
     assert isinstance(body["created"], int)
     assert body["created"] >= before
@@ -463,7 +471,80 @@ async def test_a_refund_succeeds_and_replays(client: httpx.AsyncClient) -> None:
     assert again.headers["Idempotent-Replayed"] == "true"
     assert again.json() == body
     [recorded] = await sim_charges(client)
-    assert (recorded["status"], recorded["revision"]) == ("refunded", 2)
+    assert (recorded["status"], recorded["refunded"], recorded["revision"]) == (
+        "succeeded",
+        True,
+        2,
+    )
+
+
+async def test_a_refunded_charge_stays_succeeded_and_shows_its_refund_everywhere(
+    client: httpx.AsyncClient,
+) -> None:
+    """contracts/gateway.md, "Refunds": as Stripe's, a refunded charge keeps `status:
+    "succeeded"`; `amount_refunded` and `refunded` show the refund, in every answer."""
+    kept = (await charge(client, charge_body("1"))).json()
+    refunded = (await charge(client, charge_body("2"))).json()
+    assert (kept["amount_refunded"], kept["refunded"]) == (0, False)
+
+    assert (await refund(client, refunded["id"])).status_code == 200
+
+    shown = {"status": "succeeded", "amount_refunded": 99000, "refunded": True, "revision": 2}
+    lookup = await client.get(
+        "/v1/charges", params={"order_id": "2", "billing_period": "2026-09-01"}
+    )
+    [looked_up] = lookup.json()["data"]
+    [_, paged] = (await client.get("/v1/charges")).json()["data"]
+    [untouched, recorded] = await sim_charges(client)
+    for seen in (looked_up, paged, recorded):
+        assert {name: seen[name] for name in shown} == shown
+    assert (untouched["status"], untouched["amount_refunded"], untouched["refunded"]) == (
+        "succeeded",
+        0,
+        False,
+    )
+    statuses = {c["status"] for c in await sim_charges(client)}
+    assert statuses == {"succeeded"}
+
+
+class Receiver:
+    """A webhook endpoint that keeps every body it is sent."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.app = Starlette(routes=[Route("/hooks", self.receive, methods=["POST"])])
+
+    async def receive(self, request: Request) -> Response:
+        self.events.append(json.loads(await request.body()))
+        return Response(status_code=200)
+
+
+async def test_a_refund_webhook_carries_the_charge_still_succeeded_and_refunded(
+    client: httpx.AsyncClient,
+) -> None:
+    receiver = Receiver()
+    with ServedApp(receiver.app) as hooks:
+        await configure(client, webhook_url=f"{hooks.url}/hooks")
+        charged = (await charge(client)).json()
+        await refund(client, charged["id"])
+        await eventually(lambda: len(receiver.events) == 2, "both webhooks delivered")
+
+    by_type = {event["type"]: event["data"]["object"] for event in receiver.events}
+    assert set(by_type) == {"charge.succeeded", "charge.refunded"}
+    made, refunded = by_type["charge.succeeded"], by_type["charge.refunded"]
+    assert (made["status"], made["amount_refunded"], made["refunded"], made["revision"]) == (
+        "succeeded",
+        0,
+        False,
+        1,
+    )
+    assert (
+        refunded["id"],
+        refunded["status"],
+        refunded["amount_refunded"],
+        refunded["refunded"],
+        refunded["revision"],
+    ) == (charged["id"], "succeeded", 99000, True, 2)
 
 
 async def test_refunding_a_refunded_charge_with_a_new_key(client: httpx.AsyncClient) -> None:

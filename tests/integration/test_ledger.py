@@ -203,11 +203,28 @@ async def test_only_a_replay_revives_a_failed_row_that_never_reached_the_gateway
         await ledger.claim(charge(order_id=1), "w2", 2)
     revived = await ledger.claim(charge(order_id=1), "w2", 3, revive_failed=True)
     assert revived.attempt == crashed.attempt + 1
+    assert not revived.outcome_unknown  # nothing was sent: charge at once
 
+
+async def test_a_replay_revives_a_failed_row_that_called_the_gateway_to_look_up_first(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
+    """A row failed by a gateway answer that charged nothing (a 404 from a wrong path, taken
+    for a rejection): only a replay brings it back, and its claim says an earlier call has
+    no known outcome, so the worker looks the key up before any new call."""
     rejected = await ledger.claim(charge(order_id=2), "w1", 4)
     await ledger.begin_gateway_call(rejected, scoring=None, deferred_reason=None)
-    await ledger.settle(
-        rejected, Settlement("failed", error="gateway 400"), story=None
-    )  # the gateway saw it
+    await ledger.settle(rejected, Settlement("failed", error="gateway 404"), story=None)
     with pytest.raises(AlreadySettled):
-        await ledger.claim(charge(order_id=2), "w2", 5, revive_failed=True)
+        await ledger.claim(charge(order_id=2), "w2", 5)
+
+    revived = await ledger.claim(charge(order_id=2), "w2", 6, revive_failed=True)
+
+    assert (revived.attempt, revived.gateway_calls) == (rejected.attempt + 1, 1)
+    assert revived.outcome_unknown
+    assert ((await row(pool, 2))["status"], (await row(pool, 2))["lease_owner"]) == (
+        "pending",
+        "w2",
+    )
+    with pytest.raises(PayloadConflict):  # a replay is still the same charge or none
+        await ledger.claim(charge(order_id=2, amount=1), "w3", 7, revive_failed=True)

@@ -98,11 +98,16 @@ async def put_row(
 
 
 async def post_charge(
-    gateway_url: str, order_id: int, *, idempotency_key: str | None = None, customer: str = "cus_ok"
+    gateway_url: str,
+    order_id: int,
+    *,
+    idempotency_key: str | None = None,
+    customer: str = "cus_ok",
+    amount: int = 99000,
 ) -> httpx.Response:
     """A charge made straight at the gateway, as a worker's lost request (or a bug) made it."""
     body = {
-        "amount": 99000,
+        "amount": amount,
         "currency": "RUB",
         "customer": customer,
         "metadata": {"order_id": str(order_id), "billing_period": PERIOD.isoformat()},
@@ -127,7 +132,10 @@ async def sim(gateway_url: str, path: str) -> Any:
 
 
 async def charge_statuses(gateway_url: str) -> dict[str, str]:
-    return {c["id"]: c["status"] for c in (await sim(gateway_url, "/_sim/charges"))["data"]}
+    """Each charge at the gateway: `succeeded`, `failed`, or `refunded` (a succeeded charge
+    whose money went back: contracts/gateway.md, "Refunds")."""
+    data = (await sim(gateway_url, "/_sim/charges"))["data"]
+    return {c["id"]: "refunded" if c["refunded"] else c["status"] for c in data}
 
 
 async def ledger(conn: asyncpg.Connection) -> dict[int, tuple[str, str | None]]:
@@ -188,6 +196,174 @@ async def test_forced_double_charge_refunds_exactly_the_extra_one(
         assert again.counts == Counts()
         assert again.findings["double_charges"] == []
     assert (await sim(gateway_sim.url, "/_sim/stats"))["refunds"] == 1
+
+
+async def test_the_run_after_a_refund_finds_no_double_and_refunds_nothing(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp, tmp_path: Path
+) -> None:
+    """A refunded charge keeps `status: "succeeded"` (contracts/gateway.md, "Refunds"): only
+    charges with money still captured make a double, so the run after the refund, and the
+    one after a refund someone made by hand, find none and write no `refund` event."""
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    kept = await charge_id(gateway_sim.url, 1)
+    extra = await charge_id(gateway_sim.url, 1, idempotency_key="again")
+    await put_row(conn, 1, "succeeded", charge_id=kept)
+    by_hand = await charge_id(gateway_sim.url, 2)
+    await put_row(conn, 2, "succeeded", charge_id=by_hand)
+    refunded_by_hand = await charge_id(gateway_sim.url, 2, idempotency_key="again-2")
+    await refund_at(gateway_sim.url, refunded_by_hand)
+    metrics = tmp_path / "reconcile.prom"
+
+    first = await run_reconcile(settings)
+    assert (first.counts.double_charges, first.counts.refunds) == (1, 1)
+    assert [f.key for f in first.findings["double_charges"]] == [key(1)]
+
+    for _ in range(2):
+        code = await reconcile_command(
+            settings,
+            since=None,
+            dry_run=False,
+            as_json=False,
+            fail_on_discrepancy=True,
+            metrics_file=metrics,
+        )
+        assert code == 0
+        assert _gauges(metrics)["charge_worker_reconcile_double_charges"] == 0
+    assert await charge_statuses(gateway_sim.url) == {
+        kept: "succeeded",
+        extra: "refunded",
+        by_hand: "succeeded",
+        refunded_by_hand: "refunded",
+    }
+    assert [(order, detail["charge_id"]) for order, detail in await story(conn, "refund")] == [
+        (1, extra)
+    ]
+    assert (await sim(gateway_sim.url, "/_sim/stats"))["refunds"] == 2
+
+
+async def refund_at(gateway_url: str, charge_id: str) -> None:
+    """A refund made at the gateway by someone else (support, a dashboard)."""
+    headers = {"Authorization": "Bearer sk_test_sandbox", "Idempotency-Key": f"hand:{charge_id}"}
+    async with httpx.AsyncClient(base_url=gateway_url) as client:
+        response = await client.post(
+            "/v1/refunds", json={"charge": charge_id, "reason": "duplicate"}, headers=headers
+        )
+    assert response.status_code == 200, response.text
+
+
+async def test_extra_charges_not_proven_ours_are_reported_for_a_person_never_refunded(
+    settings: Settings,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A refund is money leaving the company: only an extra charge that matches the key's
+    ledger row (amount, currency, customer) is a proven double. Charges made at the gateway
+    with our metadata for another amount or customer, or for a key the ledger has no row
+    for, are reported (their own finding kind, JSON, metrics file) and never refunded."""
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    kept = await charge_id(gateway_sim.url, 1)
+    await put_row(conn, 1, "succeeded", charge_id=kept)
+    other_amount = await charge_id(gateway_sim.url, 1, idempotency_key="x1", amount=1000)
+    other_customer = await charge_id(gateway_sim.url, 1, idempotency_key="x2", customer="cus_x")
+    no_row = [await charge_id(gateway_sim.url, 2, idempotency_key=f"y{n}") for n in (1, 2)]
+    proven = await charge_id(gateway_sim.url, 3)
+    await put_row(conn, 3, "succeeded", charge_id=proven)
+    extra = await charge_id(gateway_sim.url, 3, idempotency_key="z")
+    before = await charge_statuses(gateway_sim.url)
+    metrics = tmp_path / "reconcile.prom"
+    command = {"since": None, "dry_run": False, "as_json": True, "metrics_file": metrics}
+
+    assert await reconcile_command(settings, fail_on_discrepancy=False, **command) == 0
+
+    printed = json.loads(capsys.readouterr().out)
+    assert await charge_statuses(gateway_sim.url) == before | {extra: "refunded"}
+    assert (printed["counts"]["double_charges"], printed["counts"]["refunds"]) == (1, 1)
+    assert printed["counts"]["unmatched_charges"] == 4
+    assert [item["order_id"] for item in printed["double_charges"]] == [3]
+    unmatched = {item["order_id"]: item for item in printed["unmatched_charges"]}
+    assert set(unmatched) == {1, 2}
+    assert unmatched[1]["ledger"] == "succeeded 99000 RUB cus_ok"
+    assert {c.split()[0] for c in unmatched[1]["charges"]} == {other_amount, other_customer}
+    assert unmatched[2]["ledger"] == "no ledger row"
+    assert {c.split()[0] for c in unmatched[2]["charges"]} == set(no_row)
+    assert _gauges(metrics)["charge_worker_reconcile_unmatched_charges"] == 4
+    assert [(order, d["charge_id"]) for order, d in await story(conn, "refund")] == [(3, extra)]
+    reported = {d["charge_id"] for _, d in await story(conn, "discrepancy")}
+    assert reported == {other_amount, other_customer, *no_row}
+
+    # still there on the next run, for a person; still not refunded, told only once
+    assert await reconcile_command(settings, fail_on_discrepancy=True, **command) == 4
+    again = json.loads(capsys.readouterr().out)
+    assert again["counts"]["unmatched_charges"] == 4
+    assert again["counts"]["refunds"] == 0
+    assert await charge_statuses(gateway_sim.url) == before | {extra: "refunded"}
+    assert len(await story(conn, "discrepancy")) == 4
+
+
+async def test_a_key_whose_ledger_charge_does_not_match_its_row_refunds_nothing(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """The ledger records a charge for another amount than its row: which of the captured
+    charges is the right one is a person's call, even for the one that matches."""
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    recorded = await charge_id(gateway_sim.url, 1, amount=1000)
+    matching = await charge_id(gateway_sim.url, 1, idempotency_key="again")
+    await put_row(conn, 1, "succeeded", charge_id=recorded)
+
+    report = await run_reconcile(settings)
+
+    assert (report.counts.double_charges, report.counts.refunds) == (0, 0)
+    assert report.counts.unmatched_charges == 2
+    [found] = report.findings["unmatched_charges"]
+    assert {c.split()[0] for c in found.detail["charges"]} == {recorded, matching}
+    assert await charge_statuses(gateway_sim.url) == {recorded: "succeeded", matching: "succeeded"}
+
+
+@pytest.mark.parametrize("status", ["declined", "failed", "blocked"])
+async def test_a_charge_captured_for_a_row_the_ledger_said_no_to_is_recorded(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp, status: str
+) -> None:
+    """The customer paid; the ledger says declined, failed or blocked. A charge that matches
+    the row's amount, currency and customer is recorded (guarded by the row's status), with
+    a `resolved` event; a run after it finds nothing. One that does not match: a person."""
+    made = await charge_id(gateway_sim.url, 1)
+    await put_row(conn, 1, status, gateway_calls=1)
+    stranger = await charge_id(gateway_sim.url, 2, customer="cus_someone_else")
+    await put_row(conn, 2, status, gateway_calls=1)
+
+    dry = await run_reconcile(settings, dry_run=True)
+    assert [(f.key, f.action) for f in dry.findings["unrecorded_charges"]] == [
+        (key(1), "would record succeeded")
+    ]
+    assert await ledger(conn) == {1: (status, None), 2: (status, None)}
+
+    report = await run_reconcile(settings)
+
+    assert (report.counts.unrecorded_charges, report.counts.ledger_repaired) == (1, 1)
+    [found] = report.findings["unrecorded_charges"]
+    assert (found.key, found.action) == (key(1), "recorded succeeded")
+    assert (found.detail["charge_id"], found.detail["was"]) == (made, status)
+    assert report.counts.unmatched_charges == 1
+    [person] = report.findings["unmatched_charges"]
+    assert (person.key, person.detail["ledger"]) == (key(2), f"{status} 99000 RUB cus_ok")
+    assert person.detail["charges"] == [f"{stranger} 99000 RUB cus_someone_else"]
+    assert report.counts.refunds == 0
+    assert await ledger(conn) == {1: ("succeeded", made), 2: (status, None)}
+    [(order, resolved)] = await story(conn, "resolved")
+    assert (order, resolved["status"], resolved["charge_id"], resolved["was"]) == (
+        1,
+        "succeeded",
+        made,
+        status,
+    )
+
+    again = await run_reconcile(settings)
+    assert again.findings["unrecorded_charges"] == []
+    assert again.counts.unrecorded_charges == 0
+    assert again.counts.unmatched_charges == 1  # still for a person
+    assert await ledger(conn) == {1: ("succeeded", made), 2: (status, None)}
 
 
 async def _status(conn: asyncpg.Connection, order_id: int, status: str) -> bool:
@@ -488,6 +664,10 @@ async def test_metrics_file_and_json_carry_the_run(
     await charge_id(gateway_sim.url, 3)
     await put_row(conn, 3, "pending", gateway_calls=1, lease_s=EXPIRED_S)  # an unknown outcome
     await put_row(conn, 4, "scheduled")  # a lost message
+    await charge_id(gateway_sim.url, 5)
+    await put_row(conn, 5, "declined", gateway_calls=1)  # an unrecorded charge
+    await charge_id(gateway_sim.url, 6, customer="cus_x")  # two unmatched: no ledger row
+    await charge_id(gateway_sim.url, 6, idempotency_key="again-6")
     path = tmp_path / "reconcile.prom"
     before = time.time()
 
@@ -505,9 +685,12 @@ async def test_metrics_file_and_json_carry_the_run(
     figures = {
         "double_charges": 1,
         "refunds": 1,
+        "unrecorded_charges": 1,
+        "ledger_repaired": 1,
         "discrepancies": 1,
         "unknown_resolved": 1,
         "republished": 1,
+        "unmatched_charges": 2,
         "errors": 0,
     }
     assert printed["counts"] == figures

@@ -170,6 +170,47 @@ async def test_gateway_down_longer_than_every_backoff_loses_nothing(
     assert await gateway_charges(gateway_sim.url) == each_once(8)
 
 
+async def test_a_404_from_the_gateway_keeps_the_charge_pending_and_retried(
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
+    """`GATEWAY_URL` with a wrong path: the gateway (or a proxy) answers 404. Nothing was
+    charged and nothing is known about the charge: it stays pending and is retried, never
+    failed or dead-lettered; once the URL is fixed it is charged once (after a lookup)."""
+    wrong = settings_for(
+        nats_settings, database_url, f"{gateway_sim.url}/wrong-path", scoring_sim.url, **FAST
+    )
+    js = await provisioned(nc, wrong)
+    await publish(js, wrong.nats.subject, due(1))
+    async with running_worker(wrong) as worker:
+        await eventually(
+            lambda: worker.metric("charge_worker_gateway_calls_total", result="unavailable") >= 1,
+            "the gateway's 404",
+        )
+        await eventually(lambda: _pending_and_free(database_url), "the row left pending")
+        assert worker.metric("charge_worker_dead_letters_total", reason="rejected") == 0
+    assert (await js.stream_info(wrong.nats.dlq_stream)).state.messages == 0
+    assert await gateway_charges(gateway_sim.url) == {}
+
+    right = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url, **FAST)
+    async with running_worker(right):
+        await eventually(lambda: all_settled(database_url, 1), "charged once the URL is right")
+    assert await gateway_charges(gateway_sim.url) == each_once(1)
+    assert (await js.stream_info(right.nats.dlq_stream)).state.messages == 0
+
+
+async def _pending_and_free(database_url: str) -> bool:
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT status, lease_owner FROM charge_attempts")
+    finally:
+        await conn.close()
+    return row is not None and (row["status"], row["lease_owner"]) == ("pending", None)
+
+
 @pytest.fixture
 def own_nats() -> Iterator[NatsServer]:
     with NatsServer() as server:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from charge_worker import errors
@@ -74,6 +76,28 @@ def test_retryable_naks_with_the_backoff_step(
 def test_retryable_prefers_its_own_delay(outcome: Outcome) -> None:
     assert act(Result(outcome, retry_after_s=2.5), 1) == Nak(2.5)
     assert act(Result(outcome, retry_after_s=-1.0), 1) == Nak(0.0)
+
+
+@pytest.mark.parametrize("outcome", RETRYABLE)
+@pytest.mark.parametrize(
+    ("asked", "delay"),
+    [
+        (math.inf, BACKOFF[-1]),  # nak(delay=inf) raises inside nats-py
+        (1e12, BACKOFF[-1]),  # parks the message for millennia
+        (BACKOFF[-1] + 1, BACKOFF[-1]),
+        (-math.inf, 0.0),
+        (math.nan, BACKOFF[1]),  # no delay at all: the backoff step of delivery 2
+    ],
+)
+def test_an_own_delay_is_clamped_to_the_last_backoff_step(
+    outcome: Outcome, asked: float, delay: float
+) -> None:
+    assert act(Result(outcome, retry_after_s=asked), 2) == Nak(delay)
+
+
+def test_without_backoff_an_own_delay_is_clamped_to_the_ack_wait() -> None:
+    policy = Policy(max_deliver=5, backoff_s=(), ack_wait_s=12.0, lease_s=1.0)
+    assert decide(Result(Outcome.RATE_LIMITED, retry_after_s=1e9), 1, policy) == Nak(12.0)
 
 
 @pytest.mark.parametrize("outcome", RETRYABLE)

@@ -109,11 +109,72 @@ async def test_error_rows(
         await gw.charge(CHARGE)
 
 
+NOT_ACCEPTED = [
+    (404, err("invalid_request_error", "resource_missing")),
+    (404, None),
+    (405, None),
+    (408, None),
+    (413, err("invalid_request_error", "too_large")),
+    (418, None),
+    (400, None),  # a proxy's bare 400: not the gateway's verdict
+    (422, {"message": "unprocessable"}),
+    (400, err("api_error", "bad_request")),
+    (422, {"error": "not an object"}),
+]
+
+
+@pytest.mark.parametrize(("status", "body"), NOT_ACCEPTED)
+async def test_any_other_4xx_is_not_accepted_never_a_final_rejection(
+    status: int, body: object
+) -> None:
+    """contracts/gateway.md: only 400/422 with the contract's error body (invalid request,
+    idempotency) are final; any other 4xx, or those without it, mean "not accepted,
+    nothing charged, try later" and count toward the breaker."""
+    gw = client(answer(status, body), gateway_breaker_failures=2, gateway_breaker_reset_s=60)
+    for _ in range(2):
+        with pytest.raises(errors.DependencyUnavailable, match=f"gateway answered {status}"):
+            await gw.charge(CHARGE)
+    assert not gw.available
+    with pytest.raises(errors.DependencyUnavailable, match="breaker open"):
+        await gw.lookup(48291, dt.date(2026, 9, 1))
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_wrong_credentials_open_the_breaker(status: int) -> None:
+    gw = client(answer(status, err("authentication_error", "x")), gateway_breaker_failures=2)
+    for _ in range(2):
+        with pytest.raises(errors.DependencyUnavailable, match="GATEWAY_API_KEY"):
+            await gw.charge(CHARGE)
+    assert not gw.available
+
+
+async def test_final_rejections_do_not_open_the_breaker() -> None:
+    gw = client(answer(400, err("idempotency_error", "key_reused")), gateway_breaker_failures=2)
+    for _ in range(3):
+        with pytest.raises(errors.GatewayRejected):
+            await gw.charge(CHARGE)
+    assert gw.available
+
+
 async def test_rate_limit_carries_retry_after() -> None:
     gw = client(answer(429, err("rate_limit_error", "x"), **{"Retry-After": "7"}))
     with pytest.raises(errors.RateLimited) as caught:
         await gw.charge(CHARGE)
     assert caught.value.retry_after_s == 7
+
+
+@pytest.mark.parametrize(
+    ("header", "delay"),
+    [("inf", 1.0), ("nan", 1.0), ("-inf", 1.0), ("soon", 1.0), ("-5", 0.0), ("1e12", 1e12)],
+)
+async def test_retry_after_that_is_no_finite_number_is_the_default(
+    header: str, delay: float
+) -> None:
+    """Non-finite or unreadable: the default; how long is too long the decisions clamp."""
+    gw = client(answer(429, err("rate_limit_error", "x"), **{"Retry-After": header}))
+    with pytest.raises(errors.RateLimited) as caught:
+        await gw.charge(CHARGE)
+    assert caught.value.retry_after_s == delay
 
 
 async def test_connection_refused_is_unavailable_other_transport_errors_unknown() -> None:
@@ -165,3 +226,34 @@ async def test_lookup_and_refund() -> None:
     ]
     assert await gw.refund("ch_1") == "re_1"
     assert await gw.refund("ch_2") == "already"
+
+
+async def test_an_already_refunded_answer_without_a_type_is_done() -> None:
+    """The contract's refund answer names only the code: `{"error": {"code": …}}`."""
+    gw = client(answer(400, {"error": {"code": "charge_already_refunded"}}))
+    assert await gw.refund("ch_1") == "already"
+    assert gw.available
+
+
+async def test_a_charge_shows_its_refund_and_whether_money_is_still_captured() -> None:
+    """contracts/gateway.md, "Refunds": a refunded charge keeps `status: "succeeded"`."""
+    meta = {"order_id": "48291", "billing_period": "2026-09-01"}
+    refunded = {**OK, "id": "ch_r", "metadata": meta, "amount_refunded": 99000, "refunded": True}
+    partly = {**OK, "id": "ch_p", "metadata": meta, "amount_refunded": 1000, "refunded": False}
+    older = {**OK, "id": "ch_o", "metadata": meta, "status": "refunded"}  # before the contract
+    gw = client(answer(200, {"data": [OK, refunded, partly, older], "has_more": False}))
+
+    found = await gw.lookup(48291, dt.date(2026, 9, 1))
+
+    assert [(c.id, c.status, c.amount_refunded, c.refunded) for c in found] == [
+        ("ch_1", "succeeded", 0, False),
+        ("ch_r", "succeeded", 99000, True),
+        ("ch_p", "succeeded", 1000, False),
+        ("ch_o", "succeeded", 99000, True),
+    ]
+    assert [(c.charged, c.captured) for c in found] == [
+        (True, True),
+        (True, False),
+        (True, True),
+        (True, False),
+    ]

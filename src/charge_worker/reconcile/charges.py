@@ -1,8 +1,10 @@
-"""The two sweeps that start from the gateway's charges: double charges and discrepancies.
+"""The sweeps that start from the gateway's charges: doubles, unrecorded charges, and
+discrepancies (the two kinds a person decides).
 
 A key's history page can be stale (a worker charged since) or cut by the window (charged
 before it), so every decision here is made on the key's own, current lookup
-(`GET /v1/charges?order_id=…&billing_period=…`), never on the page alone.
+(`GET /v1/charges?order_id=…&billing_period=…`), never on the page alone. What may be
+refunded or recorded without a person is decided in `proof.py`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import asyncpg
 from charge_worker.errors import PermanentError
 from charge_worker.gateway import GatewayCharge
 from charge_worker.messages import idempotency_key
+from charge_worker.reconcile import proof
 from charge_worker.reconcile.history import History, patiently
 from charge_worker.reconcile.report import Finding
-from charge_worker.reconcile.sweeps import CHARGED, Key, Sweeper
+from charge_worker.reconcile.sweeps import Key, Sweeper
 
 _ROW = """
-SELECT status, gateway_charge_id, attempt, (lease_until IS NULL OR lease_until < now()) AS free
+SELECT status, gateway_charge_id, attempt, fingerprint, last_error,
+       (lease_until IS NULL OR lease_until < now()) AS free
   FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
 """
 
@@ -30,12 +34,28 @@ SELECT order_id, billing_period, gateway_charge_id FROM charge_attempts
  ORDER BY order_id, billing_period
 """
 
-# One `discrepancy` event per ledger charge, not one per run every 15 minutes.
+_SAID_NO = """
+SELECT order_id, billing_period FROM charge_attempts
+ WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
+   AND status IN ('declined', 'failed', 'blocked')
+ ORDER BY order_id, billing_period
+"""
+
+# Guarded by the status and fence read before: a replay that revived the row wins.
+_RECORD = """
+UPDATE charge_attempts
+   SET status = 'succeeded', gateway_charge_id = $5, last_error = NULL, settled_at = now(),
+       updated_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND status = $3 AND attempt = $4
+"""
+
+# One `discrepancy` event per charge, not one per run every 15 minutes.
 _REPORTED = """
 SELECT EXISTS (SELECT 1 FROM charge_events
                 WHERE order_id = $1 AND billing_period = $2 AND kind = 'discrepancy'
-                  AND detail->>'ledger_charge_id' = $3)
+                  AND detail->>$3 = $4)
 """
+MAX_ORDER_ID = 2**63 - 1  # bigint
 
 
 def _key(order_id: str, billing_period: str) -> Key:
@@ -45,11 +65,27 @@ def _key(order_id: str, billing_period: str) -> Key:
         raise PermanentError("its metadata is no order_id and billing_period") from error
 
 
+def _ours(order_id: str, billing_period: str) -> Key | None:
+    """The key a charge's metadata names, or None when it could name no ledger row."""
+    try:
+        key = _key(order_id, billing_period)
+    except PermanentError:
+        return None
+    return key if 0 < key[0] <= MAX_ORDER_ID else None
+
+
+def _ledger_row(row: asyncpg.Record | None) -> proof.LedgerRow | None:
+    if row is None:
+        return None
+    return proof.LedgerRow(row["status"], row["fingerprint"], row["gateway_charge_id"])
+
+
 async def double_charges(run: Sweeper, history: History) -> None:
-    """Sweep 1: for every key with more than one `succeeded` charge, keep the one the
-    ledger records (or else the earliest, recorded in an open, unleased row now) and
-    refund all the others (`Idempotency-Key: refund:<charge id>`; "already" is done)."""
-    for (order_id, period), ids in history.succeeded.items():
+    """Sweep 1: for every key with more than one charge still captured, keep the one the
+    ledger records (or else the earliest matching its row, recorded in an open, unleased
+    row now) and refund the other charges that match the row (`Idempotency-Key:
+    refund:<charge id>`; "already" is done). Charges not proven the key's are unmatched."""
+    for (order_id, period), ids in history.captured.items():
         if len(ids) > 1:
             with run.each("double_charges", f"{order_id}:{period}"):
                 await _double(run, _key(order_id, period))
@@ -57,13 +93,13 @@ async def double_charges(run: Sweeper, history: History) -> None:
 
 async def _double(run: Sweeper, key: Key) -> None:
     found = await patiently(run.gateway.lookup, *key)
-    succeeded = [c for c in found if c.status == "succeeded"]
-    if len(succeeded) < 2:  # refunded since the page was read
-        return
     row = await run.conn.fetchrow(_ROW, *key)
-    recorded = row["gateway_charge_id"] if row else None
-    keep = next((c for c in succeeded if c.id == recorded), succeeded[0])
-    extras = [c.id for c in succeeded if c.id != keep.id]
+    ledger = _ledger_row(row)
+    sorted_out = proof.doubles([c for c in found if c.captured], ledger)
+    await _unmatched(run, key, ledger, sorted_out.unmatched)
+    keep, extras = sorted_out.keep, [c.id for c in sorted_out.refund]
+    if keep is None or not extras:  # refunded since the page was read, or not ours to judge
+        return
     run.report.counts.double_charges += len(extras)
     detail: dict[str, Any] = {"kept": keep.id, "ledger": await _keep(run, key, row, keep)}
     if run.dry_run:
@@ -106,8 +142,93 @@ async def _keep(run: Sweeper, key: Key, row: asyncpg.Record | None, keep: Gatewa
     return "recorded now" if recorded else "taken by a worker: left alone"
 
 
+async def unrecorded_charges(run: Sweeper, history: History) -> None:
+    """Sweep 2: keys the gateway shows a captured charge for while their ledger row is
+    `declined`, `failed` or `blocked` (the customer paid; the ledger says no). A charge that
+    matches the row is recorded (`succeeded`, with a `resolved` event); others are for a
+    person."""
+    keys = [key for key in (_ours(*pair) for pair in history.captured) if key is not None]
+    rows = await run.conn.fetch(_SAID_NO, [k[0] for k in keys], [k[1] for k in keys])
+    for done, row in enumerate(rows, 1):
+        run.tick("unrecorded charges", done, len(rows))
+        key = (row["order_id"], row["billing_period"])
+        with run.each("unrecorded_charges", idempotency_key(*key)):
+            await _unrecorded(run, key)
+
+
+async def _unrecorded(run: Sweeper, key: Key) -> None:
+    found = await patiently(run.gateway.lookup, *key)
+    row = await run.conn.fetchrow(_ROW, *key)
+    ledger = _ledger_row(row)
+    if row is None or ledger is None or ledger.status not in proof.SAID_NO:
+        return  # revived by a replay meanwhile: the worker looks it up
+    sorted_out = proof.unrecorded([c for c in found if c.captured], ledger)
+    await _unmatched(run, key, ledger, sorted_out.unmatched)
+    charge = sorted_out.keep
+    if charge is None:
+        return
+    run.report.counts.unrecorded_charges += 1
+    detail = {"charge_id": charge.id, "was": ledger.status}
+    if run.dry_run:
+        run.settled.add(key)
+        action = "would record succeeded"
+    elif await _record(run, key, row, charge):
+        run.report.counts.ledger_repaired += 1
+        action = "recorded succeeded"
+    else:
+        action = "changed meanwhile: left alone"
+    run.report.add("unrecorded_charges", Finding(*key, action, detail))
+
+
+async def _record(run: Sweeper, key: Key, row: asyncpg.Record, charge: GatewayCharge) -> bool:
+    """The guarded write, with its `resolved` event; False if the row changed since read."""
+    async with run.conn.transaction():
+        result = await run.conn.execute(_RECORD, *key, row["status"], row["attempt"], charge.id)
+        if result != "UPDATE 1":
+            return False
+        await run.event(
+            key,
+            "resolved",
+            status="succeeded",
+            charge_id=charge.id,
+            was=row["status"],
+            last_error=row["last_error"],
+            how=f"the gateway charged it; the ledger said {row['status']}",
+        )
+    run.settled.add(key)
+    return True
+
+
+async def _unmatched(
+    run: Sweeper, key: Key, ledger: proof.LedgerRow | None, charges: list[GatewayCharge]
+) -> None:
+    """Report captured charges reconcile may neither refund nor record, for a person (once
+    per run, one `discrepancy` event per charge ever)."""
+    new = [c for c in charges if c.id not in run.unmatched]
+    if not new:
+        return
+    run.unmatched.update(c.id for c in new)
+    run.report.counts.unmatched_charges += len(new)
+    said = ledger.describe() if ledger else "no ledger row"
+    detail = {"ledger": said, "charges": [f"{c.id} {c.fingerprint}" for c in new]}
+    run.report.add("unmatched_charges", Finding(*key, "left for a person", detail))
+    if run.dry_run:
+        return
+    for charge in new:
+        if not await run.conn.fetchval(_REPORTED, *key, "charge_id", charge.id):
+            what = "captured at the gateway, not proven this key's charge: not refunded"
+            await run.event(
+                key,
+                "discrepancy",
+                what=what,
+                charge_id=charge.id,
+                charge=charge.fingerprint,
+                ledger=said,
+            )
+
+
 async def discrepancies(run: Sweeper, history: History, *, since: dt.datetime) -> None:
-    """Sweep 4: report `succeeded` rows settled since `since` whose charge the gateway
+    """Sweep 5: report `succeeded` rows settled since `since` whose charge the gateway
     does not have as charged for that key. Never repaired by charging: a human decides."""
     rows = await run.conn.fetch(_SETTLED_SINCE, since)
     for done, row in enumerate(rows, 1):
@@ -120,11 +241,17 @@ async def discrepancies(run: Sweeper, history: History, *, since: dt.datetime) -
 
 async def _confirm(run: Sweeper, key: Key, charge_id: str) -> None:
     found = await patiently(run.gateway.lookup, *key)
-    if any(c.id == charge_id and c.status in CHARGED for c in found):
+    if any(c.id == charge_id and c.charged for c in found):
         return  # charged before the window, or after the page was read
-    gateway = [f"{c.id} {c.status}" for c in found] or "nothing for this key"
+    gateway = [f"{c.id} {_state(c)}" for c in found] or "nothing for this key"
     run.report.counts.discrepancies += 1
     detail = {"ledger_charge_id": charge_id, "gateway": gateway}
     run.report.add("discrepancies", Finding(*key, "ledger charged, gateway not", detail))
-    if not run.dry_run and not await run.conn.fetchval(_REPORTED, *key, charge_id):
+    if not run.dry_run and not await run.conn.fetchval(
+        _REPORTED, *key, "ledger_charge_id", charge_id
+    ):
         await run.event(key, "discrepancy", what="ledger succeeded, gateway lacks it", **detail)
+
+
+def _state(charge: GatewayCharge) -> str:
+    return "refunded" if charge.charged and not charge.captured else charge.status

@@ -30,25 +30,26 @@ T = TypeVar("T")
 @dataclass
 class History:
     """The gateway's charges created inside the window, as paged through once: by id, and
-    the `succeeded` ones' ids by their metadata key (order_id, billing_period), oldest first."""
+    the ids of those with money still captured by their metadata key (order_id,
+    billing_period), oldest first."""
 
     charges: dict[str, GatewayCharge] = field(default_factory=dict)
-    succeeded: dict[tuple[str, str], list[str]] = field(default_factory=lambda: defaultdict(list))
+    captured: dict[tuple[str, str], list[str]] = field(default_factory=lambda: defaultdict(list))
     pages: int = 0
 
     def add(self, charges: list[GatewayCharge]) -> None:
         """Take in one page."""
         for charge in charges:
             self.charges[charge.id] = charge
-            if charge.status == "succeeded" and charge.order_id and charge.billing_period:
-                self.succeeded[(charge.order_id, charge.billing_period)].append(charge.id)
+            if charge.captured and charge.order_id and charge.billing_period:
+                self.captured[(charge.order_id, charge.billing_period)].append(charge.id)
 
     def charged(self, charge_id: str, order_id: int, billing_period: dt.date) -> bool:
-        """Whether the gateway shows this charge as made (or refunded) for this key."""
+        """Whether the gateway shows this charge as made (refunded since or not) for this key."""
         charge = self.charges.get(charge_id)
         return (
             charge is not None
-            and charge.status in ("succeeded", "refunded")
+            and charge.charged
             and charge.order_id == str(order_id)
             and charge.billing_period == billing_period.isoformat()
         )
@@ -76,7 +77,8 @@ async def fetch_history(
     """Page through every charge created in [since, until], 100 at a time, oldest first.
 
     Any failure ends the run (`DependencyUnavailable`): a partial history would make
-    doubles and discrepancies guesses.
+    doubles and discrepancies guesses. So does a gateway whose paging is broken (it ignores
+    `starting_after`, or sends a charge it sent before), which would be paged forever.
     """
     history, after = History(), None
     created_gte, created_lt = int(since.timestamp()), int(until.timestamp()) + 1
@@ -94,6 +96,7 @@ async def fetch_history(
         except ChargeWorkerError as error:
             where = f"gateway history page {history.pages + 1}"
             raise DependencyUnavailable(f"{where}: {type(error).__name__}: {error}") from error
+        _check_progress(page.charges, history, after)
         history.add(page.charges)
         history.pages += 1
         if page.has_more or history.pages > 1:
@@ -103,3 +106,19 @@ async def fetch_history(
         if not page.has_more or not page.charges:
             return history
         after = page.charges[-1].id
+
+
+def _check_progress(charges: list[GatewayCharge], history: History, after: str | None) -> None:
+    """A page must move on past the cursor and bring only charges not read before."""
+    where = f"gateway history page {history.pages + 1}"
+    if after is not None and charges and charges[-1].id == after:
+        raise DependencyUnavailable(
+            f"{where}: the gateway ignored starting_after={after} (the cursor did not move);"
+            " paging stopped"
+        )
+    again = next((c.id for c in charges if c.id in history.charges), None)
+    if again is not None:
+        raise DependencyUnavailable(
+            f"{where}: the gateway sent {again} again after starting_after={after}"
+            " (it ignores the cursor?); paging stopped"
+        )

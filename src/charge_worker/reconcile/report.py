@@ -15,13 +15,29 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
-Sweep = Literal["double_charges", "unknown_outcomes", "lost_messages", "discrepancies"]
-SWEEPS: tuple[Sweep, ...] = ("double_charges", "unknown_outcomes", "lost_messages", "discrepancies")
+Sweep = Literal[
+    "double_charges",
+    "unrecorded_charges",
+    "unknown_outcomes",
+    "lost_messages",
+    "discrepancies",
+    "unmatched_charges",
+]
+SWEEPS: tuple[Sweep, ...] = (
+    "double_charges",
+    "unrecorded_charges",
+    "unknown_outcomes",
+    "lost_messages",
+    "discrepancies",
+    "unmatched_charges",
+)
 TITLES: dict[Sweep, str] = {
     "double_charges": "double charges",
+    "unrecorded_charges": "unrecorded charges",
     "unknown_outcomes": "unknown outcomes",
     "lost_messages": "lost messages",
     "discrepancies": "discrepancies",
+    "unmatched_charges": "unmatched charges",
 }
 METRIC_PREFIX = "charge_worker_reconcile"
 
@@ -53,15 +69,21 @@ class Failure:
 class Counts:
     """The run's figures, as the metrics file carries them.
 
-    `double_charges` counts extra successful charges (beyond the one kept per key), so
+    `double_charges` counts proven extra charges (beyond the one kept per key), so
     `double_charges - refunds` is what is still owed back after a real run.
+    `unrecorded_charges` counts keys the ledger said no to that the gateway charged (with a
+    charge matching the row), `ledger_repaired` those now recorded. `unmatched_charges`
+    counts captured charges not proven a key's own, left for a person.
     """
 
     double_charges: int = 0
     refunds: int = 0
+    unrecorded_charges: int = 0
+    ledger_repaired: int = 0
     unknown_resolved: int = 0
     republished: int = 0
     discrepancies: int = 0
+    unmatched_charges: int = 0
     errors: int = 0
 
 
@@ -89,9 +111,10 @@ class Report:
         self.counts.errors += 1
 
     def exit_code(self, *, fail_on_discrepancy: bool) -> int:
-        """4: discrepancies found and asked to fail on them; 1: a key could not be
-        handled; else 0 (double charges found and refunded are a success)."""
-        if fail_on_discrepancy and self.counts.discrepancies:
+        """4: discrepancies or unmatched charges found (for a person) and asked to fail on
+        them; 1: a key could not be handled; else 0 (double charges found and refunded,
+        unrecorded charges recorded, are a success)."""
+        if fail_on_discrepancy and (self.counts.discrepancies or self.counts.unmatched_charges):
             return 4
         return 1 if self.failures else 0
 
@@ -104,19 +127,20 @@ def _done(report: Report, sweep: Sweep) -> int | str:
     counts = report.counts
     done: dict[Sweep, int | str] = {
         "double_charges": counts.refunds,
+        "unrecorded_charges": counts.ledger_repaired,
         "unknown_outcomes": counts.unknown_resolved,
         "lost_messages": counts.republished,
-        "discrepancies": "-",  # never repaired here: a human decides
     }
-    return done[sweep]
+    return done.get(sweep, "-")  # the rest is never repaired here: a human decides
 
 
 def _found(report: Report, sweep: Sweep) -> int:
-    if sweep == "double_charges":
-        return report.counts.double_charges
-    if sweep == "discrepancies":
-        return report.counts.discrepancies
-    return len(report.findings[sweep])
+    counted: dict[Sweep, int] = {
+        "double_charges": report.counts.double_charges,
+        "discrepancies": report.counts.discrepancies,
+        "unmatched_charges": report.counts.unmatched_charges,
+    }
+    return counted.get(sweep, len(report.findings[sweep]))
 
 
 def _value(value: object) -> str:
@@ -196,6 +220,15 @@ def write_metrics(report: Report, path: Path) -> None:
             counts.double_charges,
         ),
         "refunds": ("Extra charges refunded (last run).", counts.refunds),
+        "unrecorded_charges": (
+            "Keys the ledger records as declined, failed or blocked that the gateway charged,"
+            " with a charge matching the row (last run).",
+            counts.unrecorded_charges,
+        ),
+        "ledger_repaired": (
+            "Unrecorded charges now recorded as the key's charge (last run).",
+            counts.ledger_repaired,
+        ),
         "discrepancies": (
             "Charges the ledger records that the gateway does not know (last run).",
             counts.discrepancies,
@@ -207,6 +240,12 @@ def write_metrics(report: Report, path: Path) -> None:
         "republished": (
             "Quiet scheduled/pending charges re-published to the stream (last run).",
             counts.republished,
+        ),
+        "unmatched_charges": (
+            "Captured gateway charges for our keys not proven the key's own (no ledger row, or"
+            " another amount, currency or customer): neither refunded nor recorded, left for a"
+            " person (last run).",
+            counts.unmatched_charges,
         ),
         "errors": ("Keys a sweep could not handle (last run).", counts.errors),
     }

@@ -1,10 +1,12 @@
 """`charge-worker reconcile`: the gateway's history against the ledger, every 15 minutes.
 
-Four sweeps, in this order (`reconcile_charges.py`, `reconcile_sweeps.py`): refund double
-charges, resolve unknown outcomes by lookup, re-publish due charges that went quiet (so a
-broker that lost acknowledged messages loses no charge), report charges the ledger has and
-the gateway does not. Nothing here ever charges; the worker's claim keeps every
-re-published charge to at most one. The findings: `reconcile_report.py`.
+Six sweeps, in this order (`charges.py`, `sweeps.py`): refund proven double charges,
+record charges the gateway made for rows the ledger said no to, resolve unknown outcomes
+by lookup, re-publish due charges that went quiet (so a broker that lost acknowledged
+messages loses no charge), report charges the ledger has and the gateway does not, and
+report captured charges not proven a key's own (for a person: never refunded). Nothing
+here ever charges; the worker's claim keeps every re-published charge to at most one. The
+findings: `report.py`.
 
 A real run holds a PostgreSQL session advisory lock (`LOCK_KEY`) on its one ledger
 connection for its whole length: a second run finds it taken, says so and exits 0. A dry
@@ -36,7 +38,7 @@ from charge_worker.errors import (
     TransientError,
 )
 from charge_worker.gateway import GatewayClient
-from charge_worker.reconcile.charges import discrepancies, double_charges
+from charge_worker.reconcile.charges import discrepancies, double_charges, unrecorded_charges
 from charge_worker.reconcile.history import fetch_history
 from charge_worker.reconcile.report import Report, table, to_json, write_metrics
 from charge_worker.reconcile.sweeps import Sweeper, lost_messages, unknown_outcomes
@@ -69,12 +71,14 @@ async def reconcile_command(
     Exit codes:
 
     * 0: the run finished and handled every key it found: double charges found are
-      refunded (that is a repair, not a failure), unknown outcomes resolved, quiet
-      charges re-published, discrepancies reported (without `fail_on_discrepancy`), or,
+      refunded (that is a repair, not a failure), unrecorded charges recorded, unknown
+      outcomes resolved, quiet charges re-published, discrepancies and unmatched charges
+      reported (without `fail_on_discrepancy`), or,
       in a dry run, all of it only reported; also when another reconcile holds the lock
       and this one did nothing;
     * 4: `fail_on_discrepancy` and at least one `succeeded` ledger row whose charge the
-      gateway does not have for that key (this takes precedence over 1);
+      gateway does not have for that key, or one captured charge not proven its key's
+      own (an unmatched charge) (this takes precedence over 1);
     * 1: a dependency (PostgreSQL, the gateway, NATS) was unreachable, or the gateway's
       history unreadable, so the run ended early (one line on stderr, no metrics
       written); or some key could not be handled (listed; the others were); or the
@@ -111,7 +115,7 @@ async def run_reconcile(
     dry_run: bool = False,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> Report:
-    """Run the four sweeps once and return what they found and did.
+    """Run the six sweeps once and return what they found and did.
 
     `since` defaults to `reconcile_window_s` ago. Returns a `Report` with `skipped` set
     when another (non-dry) run holds the lock. Raises `DependencyUnavailable` when
@@ -152,6 +156,7 @@ async def _sweep(run: Sweeper, *, since: dt.datetime, until: dt.datetime) -> Non
     history = await fetch_history(run.gateway, since=since, until=until, progress=run.progress)
     run.report.pages, run.report.charges_seen = history.pages, len(history.charges)
     await double_charges(run, history)
+    await unrecorded_charges(run, history)
     await unknown_outcomes(run)
     await lost_messages(run)
     await discrepancies(run, history, since=since)

@@ -1,14 +1,19 @@
 """Reconcile's sweeps over one ledger connection, and the two that start from open rows.
 
-| sweep            | looks at                                   | repairs by                     |
-|------------------|--------------------------------------------|--------------------------------|
-| double charges   | >1 `succeeded` gateway charge for one key  | refunding all but the one kept |
-| unknown outcomes | quiet, unleased `pending` rows that called | recording what a lookup finds  |
-| lost messages    | quiet, unleased `scheduled`/`pending` rows | re-publishing `charge.due/v1`  |
-| discrepancies    | `succeeded` rows the gateway does not know | nothing: reported for a human  |
+| sweep              | looks at                                     | repairs by                   |
+|--------------------|----------------------------------------------|------------------------------|
+| double charges     | >1 gateway charge still captured for a key   | refunding the proven doubles |
+| unrecorded charges | captured charges for declined, failed or     | recording the matching one   |
+|                    | blocked rows (paid; the ledger says no)      |                              |
+| unknown outcomes   | quiet, unleased `pending` rows that called   | recording what lookup finds  |
+| lost messages      | quiet, unleased `scheduled`/`pending` rows   | re-publishing `charge.due/v1`|
+| discrepancies      | `succeeded` rows the gateway does not know   | nothing: for a human         |
+| unmatched charges  | captured charges not proven the key's own    | nothing: for a human         |
+|                    | (no row; another amount, currency, customer) |                              |
 
-The first and the last compare the gateway's charges with the ledger and live in
-`reconcile_charges.py`; the middle two are here, with what all four share (`Sweeper`).
+The ones that start from the gateway's charges live in `charges.py` (what they may do
+alone: `proof.py`); unknown outcomes and lost messages are here, with what all share
+(`Sweeper`).
 
 Nothing here ever charges. Every ledger write is one statement guarded by the status and
 the fence (`attempt`) read before and by an expired lease, so it never races a worker that
@@ -44,7 +49,6 @@ from charge_worker.reconcile.report import Finding, Report, Sweep
 
 ACTOR = "reconcile"
 PROGRESS_EVERY = 100  # rows
-CHARGED = frozenset({"succeeded", "refunded"})
 log = structlog.get_logger(__name__)
 Key = tuple[int, dt.date]
 
@@ -107,6 +111,8 @@ class Sweeper:
     progress: Callable[[str], None] = lambda _line: None
     # settled (or, dry, that would be) by an earlier sweep of this run: not re-published
     settled: set[Key] = field(default_factory=set)
+    # gateway charges reported for a person by an earlier sweep of this run
+    unmatched: set[str] = field(default_factory=set)
 
     @contextlib.contextmanager
     def each(self, sweep: Sweep, key: str) -> Iterator[None]:
@@ -173,12 +179,11 @@ async def unknown_outcomes(run: Sweeper) -> None:
 
 
 def _found(charges: list[GatewayCharge]) -> tuple[str, GatewayCharge] | None:
-    """What a lookup says happened: the earliest live charge, else a failed one."""
-    live = [c for c in charges if c.status == "succeeded"] or [
-        c for c in charges if c.status in CHARGED
-    ]
-    if live:
-        return "succeeded", live[0]
+    """What a lookup says happened: the earliest charge still captured, else the earliest
+    made (refunded since), else a failed one."""
+    made = [c for c in charges if c.captured] or [c for c in charges if c.charged]
+    if made:
+        return "succeeded", made[0]
     failed = [c for c in charges if c.status == "failed"]
     return ("declined", failed[0]) if failed else None
 

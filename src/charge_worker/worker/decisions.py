@@ -9,9 +9,11 @@
 | any other retryable outcome, last delivery| requeue: publish a fresh copy, then ack  |
 
 The delay of a retryable outcome is the one it carries (the gateway's `Retry-After`, the
-time left on another worker's lease), or else the consumer's backoff step for this delivery,
-so a nak waits as long as an ack timeout would have. A charge call whose answer was lost
-keeps its lease, so its retry waits the lease out: by then the call has surely ended.
+time left on another worker's lease), clamped to 0 .. the last backoff step (a `Retry-After`
+of a year would park a charge for a year), or else the consumer's backoff step for this
+delivery, so a nak waits as long as an ack timeout would have. A charge call whose answer
+was lost keeps its lease, so its retry waits the lease out: by then the call has surely
+ended.
 
 Why requeue: a gateway that rate-limits, is down, or has not answered is no fault of the
 message, and every nak spends a delivery. Dead-lettering a valid due charge for that would
@@ -33,6 +35,7 @@ a human to look at.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
@@ -126,6 +129,11 @@ class Policy:
             return self.ack_wait_s
         return self.backoff_s[min(max(delivery, 1), len(self.backoff_s)) - 1]
 
+    @property
+    def longest_delay_s(self) -> float:
+        """The longest a nak may wait: the last backoff step."""
+        return self.backoff_s[-1] if self.backoff_s else self.ack_wait_s
+
 
 def describe(action: Action) -> dict[str, object]:
     """An action as the `charge.settled` log line and the `delivery` event show it."""
@@ -146,8 +154,8 @@ def decide(result: Result, delivery: int, policy: Policy) -> Action:
         return DeadLetter("max_deliveries") if result.outcome is Outcome.CRASHED else Requeue()
     if result.call_in_flight and result.outcome is Outcome.OUTCOME_UNKNOWN:
         return Nak(policy.lease_s)  # the lease outlives the call: retry once both are over
-    if result.retry_after_s is not None:
-        return Nak(max(result.retry_after_s, 0.0))
+    if result.retry_after_s is not None and not math.isnan(result.retry_after_s):
+        return Nak(min(max(result.retry_after_s, 0.0), policy.longest_delay_s))
     return Nak(policy.backoff_delay(delivery))
 
 

@@ -224,7 +224,8 @@ class Pipeline:
     async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
         """What the gateway already did for this key, as a result to settle; None if nothing."""
         found = await self.gateway.lookup(charge.order_id, charge.billing_period)
-        charged = [c for c in found if c.status in ("succeeded", "refunded")]
+        # a charge refunded since was made all the same: record it, never charge again
+        charged = [c for c in found if c.captured] or [c for c in found if c.charged]
         if charged:
             done.settlement = Settlement("succeeded", charge_id=charged[0].id)
             return Result(Outcome.CHARGED)

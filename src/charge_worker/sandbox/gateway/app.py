@@ -13,6 +13,11 @@ Rules:
   query is `400`; a present parameter with a wrong type or value is `422`
   (amount: positive int, not bool or float; currency: three upper-case letters; customer:
   non-empty string; metadata: string `order_id` and `billing_period`, string values);
+* refunds (full only): the charge keeps `status: "succeeded"` and shows the refund in
+  `amount_refunded` (its amount) and `refunded` (true), in every answer and in the
+  `charge.refunded` webhook; `status` is only ever `succeeded` or `failed`. A charge
+  refunded already: `400 charge_already_refunded`; a failed one: `400
+  charge_not_refundable`; an unknown one: `404 resource_missing`;
 * idempotency (charges and refunds, key required): same key and parameters replay the
   original status and body with `Idempotent-Replayed: true`; other parameters: `400
   key_reused`; the key still executing: `409 request_in_progress`. Invalid requests and
@@ -40,9 +45,9 @@ match; and/or paging by `created_gte`, `created_lt`, `limit` 1..100 default 10,
 `starting_after`; oldest first, `has_more`), `POST /v1/refunds` (`charge`, `reason`); and,
 without auth, `GET /_sim/charges` (every charge with its `idempotency_key`), `GET /_sim/stats`
 (requests by endpoint and status, injected errors, lost answers), `POST /_sim/disputes`
-(`{"charge": id}`: the cardholder disputes a succeeded charge), `GET /_sim/webhooks` (every
-webhook delivery and its attempts) and the control routes of `simulator.py` (`/_sim/config`,
-`/_sim/reset`).
+(`{"charge": id}`: the cardholder disputes a succeeded charge not refunded),
+`GET /_sim/webhooks` (every webhook delivery and its attempts) and the control routes of
+`simulator.py` (`/_sim/config`, `/_sim/reset`).
 
 Webhook seam: every change of a charge object is passed to `sim.events.publish(type,
 snapshot)` (`charge.succeeded`, `charge.failed`, `charge.refunded`, `charge.dispute_created`);
@@ -252,9 +257,12 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         charge = self.book.get(charge_id) if isinstance(charge_id, str) else None
         if charge is None:
             return api_error(404, "invalid_request_error", "resource_missing", "No such charge.")
-        if charge.status != "succeeded":
+        if charge.status != "succeeded" or charge.refunded:
             return api_error(
-                400, "invalid_request_error", "charge_not_disputable", "Not a succeeded charge."
+                400,
+                "invalid_request_error",
+                "charge_not_disputable",
+                "Not a succeeded charge, or refunded.",
             )
         charge.revision += 1
         self.events.publish("charge.dispute_created", charge.to_json())

@@ -9,12 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ChargeStatus = Literal["succeeded", "failed", "refunded"]
+ChargeStatus = Literal["succeeded", "failed"]
 
 
 @dataclass
 class Charge:
-    """One charge the gateway made (or declined: status `failed`)."""
+    """One charge the gateway made (or declined: status `failed`).
+
+    As Stripe's, a refunded charge keeps `status: "succeeded"`: the refund shows in
+    `amount_refunded` and `refunded` (contracts/gateway.md, "Refunds").
+    """
 
     id: str
     amount: int
@@ -26,6 +30,12 @@ class Charge:
     idempotency_key: str
     seq: int = 0
     revision: int = 1
+    amount_refunded: int = 0
+
+    @property
+    def refunded(self) -> bool:
+        """Refunded in full."""
+        return self.amount_refunded >= self.amount
 
     def to_json(self) -> dict[str, Any]:
         """The charge object as the API shows it."""
@@ -39,6 +49,8 @@ class Charge:
             "metadata": dict(self.metadata),
             "created": self.created,
             "revision": self.revision,
+            "amount_refunded": self.amount_refunded,
+            "refunded": self.refunded,
         }
 
 
@@ -205,15 +217,15 @@ class ChargeBook:
         charge = self._by_id.get(charge_id)
         if charge is None:
             raise RefundRefused(404, "resource_missing", f"No such charge: '{charge_id}'")
-        if charge.status == "refunded":
-            raise RefundRefused(
-                400, "charge_already_refunded", f"Charge {charge_id} has already been refunded."
-            )
         if charge.status != "succeeded":
             raise RefundRefused(
                 400, "charge_not_refundable", f"Charge {charge_id} failed; nothing to refund."
             )
-        charge.status = "refunded"
+        if charge.refunded:
+            raise RefundRefused(
+                400, "charge_already_refunded", f"Charge {charge_id} has already been refunded."
+            )
+        charge.amount_refunded = charge.amount
         charge.revision += 1
         refund = Refund(refund_id, charge_id, charge.amount, created)
         self.refunds.append(refund)

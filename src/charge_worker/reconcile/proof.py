@@ -1,0 +1,66 @@
+"""What reconcile may do on its own about a key's captured charges, and what is a person's.
+
+A refund is money leaving the company and a ledger write is our word on what a customer
+paid, so both need proof: the key has a ledger row, and the charge matches its fingerprint
+(amount, currency, customer, as `charge_attempts.fingerprint`). Pure: no I/O.
+
+| the key's charges with money still captured       | reconcile                                    |
+|---------------------------------------------------|----------------------------------------------|
+| more than one, some matching the ledger row       | keep the recorded one (else the earliest     |
+|                                                   | matching), refund the other matching ones    |
+| any that do not match the row, or no row at all   | unmatched: reported for a person, untouched  |
+| the recorded one does not match its own row       | all unmatched: which is right is not ours    |
+| any, for a row that is declined, failed, blocked  | record the earliest matching one             |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from charge_worker.gateway import GatewayCharge
+
+SAID_NO = frozenset({"declined", "failed", "blocked"})  # ledger rows that record no charge
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """What the proof needs of a key's ledger row."""
+
+    status: str
+    fingerprint: str
+    charge_id: str | None
+
+    def describe(self) -> str:
+        return f"{self.status} {self.fingerprint}"
+
+
+@dataclass(frozen=True)
+class Doubles:
+    """A key's captured charges sorted out: the one kept, the proven doubles, the rest."""
+
+    keep: GatewayCharge | None
+    refund: list[GatewayCharge] = field(default_factory=list)
+    unmatched: list[GatewayCharge] = field(default_factory=list)
+
+
+def doubles(captured: list[GatewayCharge], row: LedgerRow | None) -> Doubles:
+    """Sort out a key's charges with money still captured (oldest first)."""
+    if len(captured) < 2:
+        return Doubles(captured[0] if captured else None)
+    if row is None:
+        return Doubles(None, unmatched=list(captured))
+    matching = [c for c in captured if c.fingerprint == row.fingerprint]
+    others = [c for c in captured if c.fingerprint != row.fingerprint]
+    recorded = next((c for c in captured if c.id == row.charge_id), None)
+    if recorded is not None and recorded.fingerprint != row.fingerprint:
+        return Doubles(None, unmatched=list(captured))
+    keep = recorded or (matching[0] if matching else None)
+    return Doubles(keep, [c for c in matching if c is not keep], others)
+
+
+def unrecorded(captured: list[GatewayCharge], row: LedgerRow) -> Doubles:
+    """For a row the ledger said no to (`SAID_NO`): the charge to record as the key's
+    (`keep`, the earliest that matches the row, if any) and those for a person."""
+    matching = [c for c in captured if c.fingerprint == row.fingerprint]
+    others = [c for c in captured if c.fingerprint != row.fingerprint]
+    return Doubles(matching[0] if matching else None, unmatched=others)
