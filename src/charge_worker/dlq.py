@@ -264,16 +264,18 @@ class DeadLetters:
 
     async def requeue(
         self, body: bytes, headers: Mapping[str, object] | None, *, from_seq: int
-    ) -> None:
+    ) -> int:
         """Publish a fresh copy of the charges stream's message `from_seq`, its deliveries
-        unspent; `Nats-Msg-Id: requeue:<seq>` keeps it to one copy however many try."""
+        unspent; `Nats-Msg-Id: requeue:<seq>` keeps it to one copy however many try.
+        Returns the copy's stream sequence."""
         copy = {k: header_text(v) for k, v in (headers or {}).items() if k != "Nats-Msg-Id"}
         copy["Nats-Msg-Id"] = f"requeue:{from_seq}"
         copy["Charge-Requeued-From"] = str(from_seq)
         try:
-            await self.js.publish(self.cfg.subject, body, headers=copy, timeout=5)
+            ack = await self.js.publish(self.cfg.subject, body, headers=copy, timeout=5)
         except _NATS_ERRORS as error:
             raise DependencyUnavailable(f"{self.cfg.subject} not writable: {error!r}") from error
+        return ack.seq
 
     def advisory_subject(self) -> str:
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.cfg.stream}.{self.cfg.durable}"

@@ -131,6 +131,12 @@ _GIVE_UP = _with_story(
 )
 
 
+_PUBLISHED = """
+UPDATE charge_attempts SET published_seq = greatest(published_seq, $3)
+ WHERE order_id = $1 AND billing_period = $2
+"""
+
+
 @dataclass(frozen=True)
 class Settlement:
     """A final state for a claimed charge, written with the delivery's event."""
@@ -266,6 +272,12 @@ class Ledger:
             )
         if updated != 1:
             raise LeaseHeld("the lease was taken over; this worker may not write")
+
+    async def published(self, order_id: int, billing_period: dt.date, stream_seq: int) -> None:
+        """A fresh copy of the charge's message went out at `stream_seq` (a requeue): where
+        reconcile looks for it before taking the row for lost."""
+        async with translated():
+            await self.pool.execute(_PUBLISHED, order_id, billing_period, stream_seq)
 
     async def status_of(self, order_id: int, billing_period: dt.date) -> str | None:
         async with translated():

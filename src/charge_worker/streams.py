@@ -8,6 +8,7 @@ ignores the config of an existing durable, which is why this module exists at al
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -187,6 +188,44 @@ async def provision(
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
         raise DependencyUnavailable(f"JetStream did not answer: {error!r}") from error
     return report
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the durable consumer stands in the charges stream: the oldest message kept,
+    the ack floor (every message at or below it was acked or terminated), and the
+    messages deleted from the middle of the stream."""
+
+    first_seq: int
+    ack_floor: int
+    deleted: frozenset[int]
+
+    def waiting(self, seq: int) -> bool:
+        """Whether the message at `seq` may still be delivered: kept, not deleted, and above
+        the ack floor (a message acked out of order above the floor also counts, until the
+        floor passes it)."""
+        return seq > self.ack_floor and seq >= self.first_seq and seq not in self.deleted
+
+
+NOTHING_WAITS = Position(first_seq=2**63 - 1, ack_floor=2**63 - 1, deleted=frozenset())
+
+
+async def position(nc: Client, cfg: NatsSettings) -> Position:
+    """The consumer's position now (STREAM.INFO with its deleted details, CONSUMER.INFO)."""
+    try:
+        consumer = await nc.jetstream().consumer_info(cfg.stream, cfg.durable, timeout=10)
+        answer = await nc.request(
+            f"$JS.API.STREAM.INFO.{cfg.stream}", b'{"deleted_details": true}', timeout=10
+        )
+    except nats.js.errors.NotFoundError:
+        return NOTHING_WAITS  # no stream or no consumer: no message waits anywhere
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as error:
+        where = f"JetStream did not say where the consumer is: {error!r}"
+        raise DependencyUnavailable(where) from error
+    state = json.loads(answer.data).get("state") or {}
+    floor = consumer.ack_floor.stream_seq if consumer.ack_floor else 0
+    deleted = frozenset(int(seq) for seq in state.get("deleted") or ())
+    return Position(int(state.get("first_seq", 0)), floor, deleted)
 
 
 async def connect(cfg: NatsSettings, *, name: str, reconnect: bool = True) -> Client:

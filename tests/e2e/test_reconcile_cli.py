@@ -155,7 +155,10 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
         "ledger_repaired": 0,
         "discrepancies": 0,
         "unknown_resolved": 0,
+        "adopted": 0,
+        "adopted_rows": 0,
         "republished": 0,
+        "still_waiting": 0,
         "unmatched_charges": 0,
         "errors": 0,
     }

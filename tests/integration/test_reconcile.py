@@ -404,8 +404,10 @@ async def test_history_is_paged_through_to_a_double_charge_on_a_later_page(
     gateway_sim: ServedApp,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for order_id in range(100, 250):  # one and a half pages of single charges
-        await charge_id(gateway_sim.url, order_id)
+    for order_id in range(100, 250):  # one and a half pages of single charges, recorded
+        await put_row(
+            conn, order_id, "succeeded", charge_id=await charge_id(gateway_sim.url, order_id)
+        )
     await set_sim(gateway_sim.url, idempotency_enabled=False)
     kept = await charge_id(gateway_sim.url, 1)
     extra = await charge_id(gateway_sim.url, 1, idempotency_key="again")
@@ -689,7 +691,10 @@ async def test_metrics_file_and_json_carry_the_run(
         "ledger_repaired": 1,
         "discrepancies": 1,
         "unknown_resolved": 1,
+        "adopted": 0,
+        "adopted_rows": 0,
         "republished": 1,
+        "still_waiting": 0,
         "unmatched_charges": 2,
         "errors": 0,
     }
@@ -723,3 +728,85 @@ async def test_metrics_file_and_json_carry_the_run(
 def _gauges(path: Path) -> dict[str, float]:
     families = text_string_to_metric_families(path.read_text())
     return {sample.name: sample.value for family in families for sample in family.samples}
+
+
+async def _published(conn: asyncpg.Connection, js: Any, settings: Settings, order_id: int) -> int:
+    """Publish the row's message as the producer does, and record where it went."""
+    seq = await publish(js, settings.nats.subject, due(order_id), msg_id=f"charge:{key(order_id)}")
+    await conn.execute(
+        "UPDATE charge_attempts SET published_seq = $2, published_at = now() WHERE order_id = $1",
+        order_id,
+        seq,
+    )
+    return seq
+
+
+async def test_a_month_start_queue_is_not_taken_for_lost_messages(
+    nc: Client, settings: Settings, conn: asyncpg.Connection
+) -> None:
+    """Messages still waiting in the stream, however long: no re-publish, counted waiting."""
+    js = await provisioned(nc, settings)
+    for order_id in range(1, 6):
+        await put_row(conn, order_id, "scheduled")  # quiet for an hour: the queue is long
+        await _published(conn, js, settings, order_id)
+
+    report = await run_reconcile(settings)
+
+    assert (report.counts.republished, report.counts.still_waiting) == (0, 5)
+    assert (await js.stream_info(settings.nats.stream)).state.messages == 5
+    assert not await story(conn, "republished")
+
+
+async def test_a_charge_made_for_a_message_acked_while_the_ledger_forgot_is_recorded(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """A failover lost the claim and the settle; the message was acked and is gone. The
+    gateway keeps no idempotency keys: re-publishing would charge twice; the lookup does not."""
+    js = await provisioned(nc, settings)
+    await set_sim(gateway_sim.url, idempotency_enabled=False)
+    await put_row(conn, 1, "scheduled")  # what the promoted standby remembers
+    await put_row(conn, 2, "scheduled")  # acked too, never charged (the worker died first)
+    await _published(conn, js, settings, 1)
+    await _published(conn, js, settings, 2)
+    made = await charge_id(gateway_sim.url, 1)
+    sub = await js.pull_subscribe_bind(durable=settings.nats.durable, stream=settings.nats.stream)
+    for msg in await sub.fetch(2, timeout=5):
+        await msg.ack_sync()
+
+    report = await run_reconcile(settings)
+
+    assert (report.counts.adopted, report.counts.republished) == (1, 1)
+    assert (await ledger(conn))[1] == ("succeeded", made)
+    assert [order for order, _ in await story(conn, "republished")] == [2]
+    assert await gateway_charges(gateway_sim.url) == {key(1): 1}
+
+
+async def _subscription(conn: asyncpg.Connection, order_id: int, amount: int = 99000) -> None:
+    await conn.execute(
+        "INSERT INTO subscriptions (subscription_id, order_id, customer_id, amount_minor,"
+        " currency, next_billing_date) VALUES ($1, $2, 'cus_ok', $3, 'RUB', $4)",
+        f"sub_{order_id}",
+        order_id,
+        amount,
+        PERIOD,
+    )
+
+
+async def test_a_charge_whose_ledger_row_was_lost_is_recorded_from_its_subscription(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """No row at all (the producer's commit lost too): the subscription proves the charge;
+    a charge it does not prove is a person's."""
+    await _subscription(conn, 1)
+    await _subscription(conn, 2, amount=12300)  # the charge below is not its amount
+    made = await charge_id(gateway_sim.url, 1)
+    await charge_id(gateway_sim.url, 2)
+
+    report = await run_reconcile(settings)
+
+    assert (report.counts.adopted_rows, report.counts.unmatched_charges) == (1, 1)
+    assert await ledger(conn) == {1: ("succeeded", made)}
+    [(order_id, detail)] = await story(conn, "resolved")
+    assert (order_id, detail["charge_id"]) == (1, made)
+    again = await run_reconcile(settings)
+    assert (again.counts.adopted_rows, again.counts.refunds) == (0, 0)

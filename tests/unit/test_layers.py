@@ -18,6 +18,8 @@ ROOT = Path(charge_worker.__file__).parent
 FLOOR = {"settings", "errors", "logs", "event_loop", "migrate", "display"}
 SHARED = {
     "messages",
+    "periods",
+    "privileges",
     "database",
     "ledger",
     "events",

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from charge_worker.producer.periods import MAX_CATCH_UP, due_periods, next_period
+from charge_worker.periods import MAX_CATCH_UP, due_periods, next_period, on_schedule
 
 D = dt.date
 
@@ -66,3 +66,13 @@ def test_due_periods_from_the_first_through_the_day() -> None:
 def test_catch_up_is_bounded_per_run() -> None:
     periods = list(due_periods(D(1800, 1, 1), D(1800, 1, 1), "month", 1, D(2027, 1, 1)))
     assert len(periods) == MAX_CATCH_UP
+
+
+def test_on_schedule_knows_the_schedule_s_periods_and_no_others() -> None:
+    assert on_schedule(D(2027, 1, 31), D(2027, 2, 28), "month", 1)
+    assert on_schedule(D(2027, 1, 31), D(2026, 11, 30), "month", 1)
+    assert not on_schedule(D(2027, 1, 31), D(2027, 2, 27), "month", 1)
+    assert on_schedule(D(2027, 11, 30), D(2028, 2, 29), "month", 3)
+    assert not on_schedule(D(2027, 11, 30), D(2027, 12, 30), "month", 3)
+    assert on_schedule(D(2028, 2, 29), D(2029, 2, 28), "year", 1)
+    assert not on_schedule(D(2028, 2, 29), D(2029, 3, 1), "year", 1)

@@ -58,11 +58,13 @@ SELECT count(*) FROM charge_attempts
 """
 
 # Not "still scheduled": a worker may claim the message before this runs, and the row should
-# still say when it was published. The first publish time is never overwritten.
+# still say when it was published, and where (reconcile reads it to tell a queued message
+# from a lost one). The first publish is never overwritten.
 _MARK_PUBLISHED = """
-UPDATE charge_attempts SET published_at = now()
- WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
-   AND published_at IS NULL
+UPDATE charge_attempts AS a SET published_at = now(), published_seq = p.seq
+  FROM unnest($1::bigint[], $2::date[], $3::bigint[]) AS p(order_id, billing_period, seq)
+ WHERE a.order_id = p.order_id AND a.billing_period = p.billing_period
+   AND a.published_at IS NULL
 """
 
 _PUBLISHED_EVENTS = """
@@ -172,7 +174,7 @@ async def _mark_published(conn: asyncpg.Connection, acked: list[tuple[ChargeDue,
         return
     order_ids = [c.order_id for c, _ in acked]
     periods = [c.billing_period for c, _ in acked]
-    await conn.execute(_MARK_PUBLISHED, order_ids, periods)
+    await conn.execute(_MARK_PUBLISHED, order_ids, periods, [a.seq for _, a in acked])
     details = [
         events.to_json({"stream_seq": a.seq, "msg_id": c.msg_id, "duplicate": bool(a.duplicate)})
         for c, a in acked

@@ -6,8 +6,8 @@ and publish nothing twice that matters:
 1. **schedule** (here), one transaction per batch: lock due subscriptions (`FOR UPDATE
    SKIP LOCKED`, so a concurrent run takes others), record one `scheduled` row per due
    period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` past the day (periods
-   follow the subscription's anchor and interval: `periods.py`). A few statements per
-   batch of thousands, whatever its size.
+   follow the subscription's anchor and interval: `charge_worker.periods`). A few
+   statements per batch of thousands, whatever its size.
    A subscription that breaks contracts/charge-due.md, or whose key is recorded with
    another amount, currency or customer, is reported and left where it is.
 2. **publish** (`publish.py`): every `scheduled` row not published yet, this run's or
@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from charge_worker import database, streams
 from charge_worker.database import translated
 from charge_worker.messages import SCHEMA, ChargeDue
-from charge_worker.producer.periods import due_periods, next_period
+from charge_worker.periods import due_periods, next_period
 from charge_worker.producer.publish import ACTOR, BATCH, publish_scheduled
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import Settings

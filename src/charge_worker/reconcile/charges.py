@@ -17,6 +17,7 @@ import asyncpg
 from charge_worker.errors import PermanentError
 from charge_worker.gateway import GatewayCharge
 from charge_worker.messages import idempotency_key
+from charge_worker.periods import on_schedule
 from charge_worker.reconcile import proof
 from charge_worker.reconcile.history import History, patiently
 from charge_worker.reconcile.report import Finding
@@ -47,6 +48,32 @@ UPDATE charge_attempts
    SET status = 'succeeded', gateway_charge_id = $5, last_error = NULL, settled_at = now(),
        updated_at = now()
  WHERE order_id = $1 AND billing_period = $2 AND status = $3 AND attempt = $4
+"""
+
+_MISSING = """
+SELECT k.order_id, k.billing_period
+  FROM unnest($1::bigint[], $2::date[]) AS k(order_id, billing_period)
+ WHERE NOT EXISTS (SELECT 1 FROM charge_attempts AS a
+                    WHERE a.order_id = k.order_id AND a.billing_period = k.billing_period)
+ ORDER BY 1, 2
+"""
+
+_SUBSCRIPTION = """
+SELECT subscription_id, customer_id, amount_minor, currency,
+       amount_minor::text || ' ' || currency || ' ' || customer_id AS fingerprint,
+       coalesce(billing_anchor, next_billing_date) AS anchor, billing_interval,
+       billing_interval_count
+  FROM subscriptions WHERE order_id = $1
+"""
+
+# A worker that claimed the key meanwhile wins (ON CONFLICT): it looks the key up anyway.
+_ADOPT = """
+INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
+                             customer_id, amount_minor, currency, due_at, status,
+                             gateway_charge_id, settled_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'succeeded', $9, now())
+ON CONFLICT DO NOTHING
+RETURNING 1
 """
 
 # One `discrepancy` event per charge, not one per run every 15 minutes.
@@ -80,8 +107,55 @@ def _ledger_row(row: asyncpg.Record | None) -> proof.LedgerRow | None:
     return proof.LedgerRow(row["status"], row["fingerprint"], row["gateway_charge_id"])
 
 
+async def forgotten_charges(run: Sweeper, history: History) -> None:
+    """Sweep 1: captured charges for keys with no ledger row at all: a database failover
+    forgot the producer's row and the worker's claim, and the message was acked. Recorded
+    `succeeded` from the key's subscription when the charge matches it (amount, currency,
+    customer) and the period is on its schedule, so neither the producer's next run nor a
+    re-published message charges the key again; any other charge is for a person."""
+    keys = [key for key in (_ours(*pair) for pair in history.captured) if key is not None]
+    rows = await run.conn.fetch(_MISSING, [k[0] for k in keys], [k[1] for k in keys])
+    for done, row in enumerate(rows, 1):
+        run.tick("forgotten charges", done, len(rows))
+        key = (row["order_id"], row["billing_period"])
+        with run.each("forgotten_charges", idempotency_key(*key)):
+            await _forgotten(run, key)
+
+
+async def _forgotten(run: Sweeper, key: Key) -> None:
+    captured = [c for c in await patiently(run.gateway.lookup, *key) if c.captured]
+    sub = await run.conn.fetchrow(_SUBSCRIPTION, key[0])
+    schedule = sub and (sub["anchor"], sub["billing_interval"], sub["billing_interval_count"])
+    if sub is None or not schedule or not on_schedule(schedule[0], key[1], *schedule[1:]):
+        await _unmatched(run, key, None, captured)
+        return
+    matching = [c for c in captured if c.fingerprint == sub["fingerprint"]]
+    await _unmatched(run, key, None, [c for c in captured if c not in matching])
+    if not matching:
+        return
+    charge = matching[0]  # the earliest; a later matching one is a double, refunded next
+    detail = {"charge_id": charge.id, "subscription_id": sub["subscription_id"]}
+    if run.dry_run:
+        run.settled.add(key)
+        run.report.add("forgotten_charges", Finding(*key, "would record succeeded", detail))
+        return
+    due_at = dt.datetime.combine(key[1], dt.time(), dt.UTC)
+    fields = (sub["subscription_id"], sub["customer_id"], sub["amount_minor"], sub["currency"])
+    async with run.conn.transaction():
+        adopted = await run.conn.fetchval(
+            _ADOPT, *key, idempotency_key(*key), *fields, due_at, charge.id
+        )
+        if adopted:
+            how = "the ledger had no row (lost with a database failover); the gateway charged it"
+            await run.event(key, "resolved", status="succeeded", charge_id=charge.id, how=how)
+    run.settled.add(key)
+    run.report.counts.adopted_rows += bool(adopted)
+    action = "recorded succeeded" if adopted else "claimed by a worker meanwhile: left alone"
+    run.report.add("forgotten_charges", Finding(*key, action, detail))
+
+
 async def double_charges(run: Sweeper, history: History) -> None:
-    """Sweep 1: for every key with more than one charge still captured, keep the one the
+    """Sweep 2: for every key with more than one charge still captured, keep the one the
     ledger records (or else the earliest matching its row, recorded in an open, unleased
     row now) and refund the other charges that match the row (`Idempotency-Key:
     refund:<charge id>`; "already" is done). Charges not proven the key's are unmatched."""
@@ -143,7 +217,7 @@ async def _keep(run: Sweeper, key: Key, row: asyncpg.Record | None, keep: Gatewa
 
 
 async def unrecorded_charges(run: Sweeper, history: History) -> None:
-    """Sweep 2: keys the gateway shows a captured charge for while their ledger row is
+    """Sweep 3: keys the gateway shows a captured charge for while their ledger row is
     `declined`, `failed` or `blocked` (the customer paid; the ledger says no). A charge that
     matches the row is recorded (`succeeded`, with a `resolved` event); others are for a
     person."""
@@ -228,7 +302,7 @@ async def _unmatched(
 
 
 async def discrepancies(run: Sweeper, history: History, *, since: dt.datetime) -> None:
-    """Sweep 5: report `succeeded` rows settled since `since` whose charge the gateway
+    """Sweep 6: report `succeeded` rows settled since `since` whose charge the gateway
     does not have as charged for that key. Never repaired by charging: a human decides."""
     rows = await run.conn.fetch(_SETTLED_SINCE, since)
     for done, row in enumerate(rows, 1):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
 Sweep = Literal[
+    "forgotten_charges",
     "double_charges",
     "unrecorded_charges",
     "unknown_outcomes",
@@ -24,6 +25,7 @@ Sweep = Literal[
     "unmatched_charges",
 ]
 SWEEPS: tuple[Sweep, ...] = (
+    "forgotten_charges",
     "double_charges",
     "unrecorded_charges",
     "unknown_outcomes",
@@ -32,6 +34,7 @@ SWEEPS: tuple[Sweep, ...] = (
     "unmatched_charges",
 )
 TITLES: dict[Sweep, str] = {
+    "forgotten_charges": "forgotten charges",
     "double_charges": "double charges",
     "unrecorded_charges": "unrecorded charges",
     "unknown_outcomes": "unknown outcomes",
@@ -73,7 +76,11 @@ class Counts:
     `double_charges - refunds` is what is still owed back after a real run.
     `unrecorded_charges` counts keys the ledger said no to that the gateway charged (with a
     charge matching the row), `ledger_repaired` those now recorded. `unmatched_charges`
-    counts captured charges not proven a key's own, left for a person.
+    counts captured charges not proven a key's own, left for a person. `adopted` counts
+    charges the gateway made that the ledger had forgotten, recorded now, for rows whose
+    message was gone; `adopted_rows` those for keys whose row was lost altogether (a
+    database failover), recorded from their subscription. `still_waiting` counts quiet open rows
+    whose message still waits in the stream (a queue, not a loss: nothing done).
     """
 
     double_charges: int = 0
@@ -81,7 +88,10 @@ class Counts:
     unrecorded_charges: int = 0
     ledger_repaired: int = 0
     unknown_resolved: int = 0
+    adopted: int = 0
+    adopted_rows: int = 0
     republished: int = 0
+    still_waiting: int = 0
     discrepancies: int = 0
     unmatched_charges: int = 0
     errors: int = 0
@@ -129,7 +139,8 @@ def _done(report: Report, sweep: Sweep) -> int | str:
         "double_charges": counts.refunds,
         "unrecorded_charges": counts.ledger_repaired,
         "unknown_outcomes": counts.unknown_resolved,
-        "lost_messages": counts.republished,
+        "lost_messages": counts.republished + counts.adopted,
+        "forgotten_charges": counts.adopted_rows,
     }
     return done.get(sweep, "-")  # the rest is never repaired here: a human decides
 
@@ -240,6 +251,19 @@ def write_metrics(report: Report, path: Path) -> None:
         "republished": (
             "Quiet scheduled/pending charges re-published to the stream (last run).",
             counts.republished,
+        ),
+        "adopted": (
+            "Charges the gateway made for open rows whose message was gone, recorded (last run).",
+            counts.adopted,
+        ),
+        "adopted_rows": (
+            "Charges the gateway made for keys whose ledger row was lost, recorded from their"
+            " subscription (last run).",
+            counts.adopted_rows,
+        ),
+        "still_waiting": (
+            "Quiet scheduled/pending charges whose message still waits in the stream (last run).",
+            counts.still_waiting,
         ),
         "unmatched_charges": (
             "Captured gateway charges for our keys not proven the key's own (no ledger row, or"

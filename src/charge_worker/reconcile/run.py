@@ -1,12 +1,14 @@
 """`charge-worker reconcile`: the gateway's history against the ledger, every 15 minutes.
 
-Six sweeps, in this order (`charges.py`, `sweeps.py`): refund proven double charges,
-record charges the gateway made for rows the ledger said no to, resolve unknown outcomes
-by lookup, re-publish due charges that went quiet (so a broker that lost acknowledged
-messages loses no charge), report charges the ledger has and the gateway does not, and
-report captured charges not proven a key's own (for a person: never refunded). Nothing
-here ever charges; the worker's claim keeps every re-published charge to at most one. The
-findings: `report.py`.
+Seven sweeps, in this order (`charges.py`, `sweeps.py`): record charges the gateway made
+for keys whose ledger row was lost altogether (a database failover), refund proven double
+charges, record charges the gateway made for rows the ledger said no to, resolve unknown
+outcomes by lookup, recover quiet rows whose message no longer waits in the stream
+(recorded from a lookup, else re-published: a broker that lost acknowledged messages
+loses no charge), report charges the ledger has and the gateway does not, and report
+captured charges not proven a key's own (for a person: never refunded). Nothing here ever
+charges; the worker's claim keeps every re-published charge to at most one. The findings:
+`report.py`.
 
 A real run holds a PostgreSQL session advisory lock (`LOCK_KEY`) on its one ledger
 connection for its whole length: a second run finds it taken, says so and exits 0. A dry
@@ -38,7 +40,12 @@ from charge_worker.errors import (
     TransientError,
 )
 from charge_worker.gateway import GatewayClient
-from charge_worker.reconcile.charges import discrepancies, double_charges, unrecorded_charges
+from charge_worker.reconcile.charges import (
+    discrepancies,
+    double_charges,
+    forgotten_charges,
+    unrecorded_charges,
+)
 from charge_worker.reconcile.history import fetch_history
 from charge_worker.reconcile.report import Report, table, to_json, write_metrics
 from charge_worker.reconcile.sweeps import Sweeper, lost_messages, unknown_outcomes
@@ -155,6 +162,7 @@ async def _sweep(run: Sweeper, *, since: dt.datetime, until: dt.datetime) -> Non
     see what the one before settled: a resolved outcome is not re-published."""
     history = await fetch_history(run.gateway, since=since, until=until, progress=run.progress)
     run.report.pages, run.report.charges_seen = history.pages, len(history.charges)
+    await forgotten_charges(run, history)
     await double_charges(run, history)
     await unrecorded_charges(run, history)
     await unknown_outcomes(run)
@@ -173,8 +181,7 @@ async def _ledger(cfg: DbSettings) -> AsyncIterator[asyncpg.Connection]:
 
 
 class _NatsRepublisher:
-    """Publishes to the charges subject, connecting on first use: a run with nothing to
-    re-publish (or a dry run) needs no NATS at all."""
+    """The charges stream over one NATS connection, opened on first use."""
 
     def __init__(self, cfg: NatsSettings) -> None:
         self.cfg = cfg
@@ -189,16 +196,25 @@ class _NatsRepublisher:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await self.nc.close()
 
-    async def republish(self, body: bytes, msg_id: str) -> int:
-        """Publish and wait for the stream's ack; return its sequence."""
-        if self.js is None:
+    async def _connected(self) -> tuple[Client, JetStreamContext]:
+        if self.nc is None or self.js is None:
             self.nc = await streams.connect(
                 self.cfg, name="charge-worker-reconcile", reconnect=False
             )
             self.js = self.nc.jetstream()
+        return self.nc, self.js
+
+    async def position(self) -> streams.Position:
+        """Where the consumer stands: which quiet rows still have a message waiting."""
+        nc, _ = await self._connected()
+        return await streams.position(nc, self.cfg)
+
+    async def republish(self, body: bytes, msg_id: str) -> int:
+        """Publish and wait for the stream's ack; return its sequence."""
+        _, js = await self._connected()
         subject = self.cfg.subject
         try:
-            ack = await self.js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
+            ack = await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
         except (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError) as error:
             raise DependencyUnavailable(f"JetStream could not store {subject}: {error}") from error
         except nats.js.errors.APIError as error:

@@ -6,7 +6,8 @@
 | unrecorded charges | captured charges for declined, failed or     | recording the matching one   |
 |                    | blocked rows (paid; the ledger says no)      |                              |
 | unknown outcomes   | quiet, unleased `pending` rows that called   | recording what lookup finds  |
-| lost messages      | quiet, unleased `scheduled`/`pending` rows   | re-publishing `charge.due/v1`|
+| lost messages      | quiet, unleased `scheduled`/`pending` rows   | recording what lookup finds, |
+|                    | whose message no longer waits in the stream  | else re-publishing           |
 | discrepancies      | `succeeded` rows the gateway does not know   | nothing: for a human         |
 | unmatched charges  | captured charges not proven the key's own    | nothing: for a human         |
 |                    | (no row; another amount, currency, customer) |                              |
@@ -46,6 +47,7 @@ from charge_worker.gateway import GatewayCharge, GatewayClient
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
 from charge_worker.reconcile.history import patiently
 from charge_worker.reconcile.report import Finding, Report, Sweep
+from charge_worker.streams import Position
 
 ACTOR = "reconcile"
 PROGRESS_EVERY = 100  # rows
@@ -69,24 +71,39 @@ SELECT order_id, billing_period, attempt FROM charge_attempts
  ORDER BY updated_at, order_id, billing_period
 """
 
-_QUIET = """
-SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
-       due_at, status, attempt, updated_at
-  FROM charge_attempts
+# Quiet, unleased open rows whose newest message no longer waits in the stream: at or below
+# the consumer's ack floor ($2), older than the stream's first message ($3), deleted ($4),
+# or never published. A month-start queue is not a loss, however long it takes.
+_NEWEST = "greatest(published_seq, last_stream_seq)"
+_OPEN_AND_QUIET = """
  WHERE status IN ('scheduled', 'pending') AND (lease_until IS NULL OR lease_until < now())
    AND updated_at < now() - make_interval(secs => $1)
+"""
+_WAITING = f"""
+coalesce({_NEWEST} > $2 AND {_NEWEST} >= $3 AND NOT {_NEWEST} = ANY($4::bigint[]), false)
+"""
+_QUIET = f"""
+SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
+       due_at, status, attempt, updated_at
+  FROM charge_attempts {_OPEN_AND_QUIET} AND NOT {_WAITING}
  ORDER BY updated_at, order_id, billing_period
 """
+_STILL_WAITING = f"SELECT count(*) FROM charge_attempts {_OPEN_AND_QUIET} AND {_WAITING}"
 
-# Only the quiet clock moves; a row a worker has taken since (another attempt) is its own.
+# Only the quiet clock moves, and where the new message is; a row a worker has taken since
+# (another attempt) is its own.
 _TOUCH = """
-UPDATE charge_attempts SET updated_at = now()
+UPDATE charge_attempts SET updated_at = now(), published_seq = greatest(published_seq, $5)
  WHERE order_id = $1 AND billing_period = $2 AND status = $3 AND attempt = $4
 """
 
 
 class Republisher(Protocol):
-    """Where lost messages go back to: the charges subject, with a fresh `Nats-Msg-Id`."""
+    """The charges stream: where the consumer stands, and where lost messages go back to
+    (the charges subject, with a fresh `Nats-Msg-Id`)."""
+
+    async def position(self) -> Position:
+        """The consumer's position in the stream now."""
 
     async def republish(self, body: bytes, msg_id: str) -> int:
         """Publish, wait for the ack, return the stream sequence."""
@@ -113,6 +130,8 @@ class Sweeper:
     settled: set[Key] = field(default_factory=set)
     # gateway charges reported for a person by an earlier sweep of this run
     unmatched: set[str] = field(default_factory=set)
+    # keys a sweep of this run could not handle: reported once, not tried again
+    failed: set[str] = field(default_factory=set)
 
     @contextlib.contextmanager
     def each(self, sweep: Sweep, key: str) -> Iterator[None]:
@@ -128,6 +147,7 @@ class Sweeper:
             self._failed(sweep, key, f"the ledger refused the write: {error}")
 
     def _failed(self, sweep: Sweep, key: str, error: str) -> None:
+        self.failed.add(key)
         self.report.fail(sweep, key, error)
         log.warning("reconcile.key_failed", sweep=sweep, key=key, error=error)
 
@@ -214,15 +234,47 @@ async def _resolve(run: Sweeper, key: Key, attempt: int) -> None:
 
 
 async def lost_messages(run: Sweeper) -> None:
-    """Sweep 3: re-publish quiet, unleased `scheduled`/`pending` rows with a fresh
-    `Nats-Msg-Id`, and restart their quiet clock so the next run does not at once."""
-    rows = await run.conn.fetch(_QUIET, run.quiet_s)
+    """Sweep 4: quiet, unleased `scheduled`/`pending` rows whose message no longer waits in
+    the stream (`_QUIET`): a broker that lost it, or a ledger that forgot what a worker did
+    (a failover). Each is looked up first: a charge (or a decline) the gateway made is
+    recorded, not made again (a gateway without idempotency would charge twice); else the
+    row is re-published with a fresh `Nats-Msg-Id` and its quiet clock restarts."""
+    position = await run.publisher.position()
+    where = (run.quiet_s, position.ack_floor, position.first_seq, list(position.deleted))
+    run.report.counts.still_waiting = await run.conn.fetchval(_STILL_WAITING, *where)
+    rows = await run.conn.fetch(_QUIET, *where)
     for done, row in enumerate(rows, 1):
         run.tick("lost messages", done, len(rows))
         key = (row["order_id"], row["billing_period"])
-        if key not in run.settled:
+        if key not in run.settled and idempotency_key(*key) not in run.failed:
             with run.each("lost_messages", idempotency_key(*key)):
-                await _republish(run, key, row)
+                await _recover(run, key, row)
+
+
+async def _recover(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
+    found = _found(await patiently(run.gateway.lookup, *key))
+    if found is None:
+        await _republish(run, key, row)
+        return
+    status, charge = found
+    detail = {"status": row["status"], "charge_id": charge.id}
+    if run.dry_run:
+        run.settled.add(key)
+        action = f"would record {status} (found at the gateway)"
+    elif await run.settle(
+        key,
+        row["attempt"],
+        status,
+        charge.id if status == "succeeded" else None,
+        None if status == "succeeded" else f"declined: charge {charge.id} failed (reconcile)",
+        lookup=charge.status,
+        how="its message was gone; the gateway had it",
+    ):
+        run.report.counts.adopted += 1
+        action = f"recorded {status} (found at the gateway)"
+    else:
+        action = "taken by a worker: left alone"
+    run.report.add("lost_messages", Finding(*key, action, detail))
 
 
 def _message(row: asyncpg.Record) -> ChargeDue:
@@ -252,7 +304,7 @@ async def _republish(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
     run.report.counts.republished += 1
     detail |= {"stream_seq": seq, "msg_id": msg_id}
     async with run.conn.transaction():
-        await run.conn.execute(_TOUCH, *key, row["status"], row["attempt"])
+        await run.conn.execute(_TOUCH, *key, row["status"], row["attempt"], seq)
         why = f"{row['status']} and quiet since {detail['quiet_since']}"
         await run.event(key, "republished", why=why, stream_seq=seq, msg_id=msg_id)
     run.report.add("lost_messages", Finding(*key, "re-published", detail))

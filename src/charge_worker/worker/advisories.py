@@ -8,6 +8,7 @@ says whether to forget, requeue or dead-letter it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import nats.errors
@@ -46,13 +47,13 @@ class Advisories:
         if stored is None:
             return
         body, headers = stored.data or b"", dict(stored.headers or {})
-        try:
+        charge = None
+        with contextlib.suppress(PoisonMessage):
             charge = parse(body)
-        except PoisonMessage:
-            status, valid = None, False
-        else:
+        valid = charge is not None
+        status = None
+        if charge is not None:
             status = await self.ledger.status_of(charge.order_id, charge.billing_period)
-            valid = True
         exhausted = _count(headers.get(EXHAUSTED_HEADER))
         verdict = after_deliveries_ran_out(status, valid=valid, exhausted=exhausted)
         log.warning(
@@ -65,8 +66,10 @@ class Advisories:
         self.metrics.exhausted.labels(verdict).inc()
         if verdict == "requeue":
             copy = headers | {EXHAUSTED_HEADER: str(exhausted + 1)}
-            await self.dead_letters.requeue(body, copy, from_seq=seq)
+            copy_seq = await self.dead_letters.requeue(body, copy, from_seq=seq)
             self.metrics.requeues.inc()
+            if charge is not None:
+                await self.ledger.published(charge.order_id, charge.billing_period, copy_seq)
         elif verdict == "dead_letter":
             await self.dead_letters.write(
                 body,

@@ -177,8 +177,11 @@ class Consumer:
         """Write the dead letter, or the fresh copy whose deliveries are unspent."""
         try:
             if isinstance(action, Requeue):
-                await self.dead_letters.requeue(msg.data, msg.headers, from_seq=delivery.stream_seq)
+                seq = await self.dead_letters.requeue(
+                    msg.data, msg.headers, from_seq=delivery.stream_seq
+                )
                 self.metrics.requeues.inc()
+                await self.pipeline.requeued(processed, seq)
                 return action
             await self.dead_letters.write(
                 msg.data,

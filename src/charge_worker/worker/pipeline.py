@@ -143,6 +143,17 @@ class Pipeline:
             log.warning("events.write_failed", error=str(error))
         return None
 
+    async def requeued(self, done: Processed, stream_seq: int) -> None:
+        """The message went back to the stream as a fresh copy at `stream_seq`."""
+        if done.charge is None:
+            return
+        try:
+            await self.ledger.published(
+                done.charge.order_id, done.charge.billing_period, stream_seq
+            )
+        except ChargeWorkerError as error:  # reconcile then looks the charge up: no loss
+            log.warning("ledger.write_failed", error=str(error))
+
     async def _write(
         self, done: Processed, claim: Claim, action: Action, story: dict[str, object]
     ) -> None:

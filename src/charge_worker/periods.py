@@ -3,7 +3,8 @@
 A subscription anchored on the 31st is billed on the 31st of every month that has one and
 on the month's last day otherwise, and it stays on the 31st: each period is computed from
 the anchor, never from the previous period (which drifts to the 28th after February).
-Pure functions of dates; no I/O.
+Pure functions of dates; no I/O. The producer schedules by them; reconcile checks that a
+charge it would adopt is for a period of its subscription.
 """
 
 from __future__ import annotations
@@ -48,3 +49,10 @@ def due_periods(
             return
         yield period
         period = next_period(anchor, period, interval, count)
+
+
+def on_schedule(anchor: dt.date, period: dt.date, interval: Interval, count: int) -> bool:
+    """Whether `period` is one of the schedule's periods (before the anchor's too)."""
+    step = _months(interval, count)
+    elapsed = (period.year - anchor.year) * 12 + period.month - anchor.month
+    return elapsed % step == 0 and on_anchor(anchor, elapsed) == period
