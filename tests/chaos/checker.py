@@ -36,7 +36,8 @@ FATAL = frozenset(
         "conflict_escaped",
     }
 )
-EFFECTIVE = frozenset({"succeeded", "refunded"})
+REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the ledger may forget
+CONFLICT_REPORTED = "conflict_reported"  # likewise
 _ORDER_ID = re.compile(rb'"order_id":\s*(\d{1,19})[,}]')
 _PERIOD = re.compile(rb'"billing_period":\s*"(\d{4}-\d{2}-\d{2})"')
 
@@ -146,7 +147,14 @@ def _key_of(body: bytes | None) -> str | None:
     return f"{int(order[1])}:{period[1].decode()}" if order and period else None
 
 
-def judge(entries: list[Entry], facts: Facts) -> Verdict:
+def judge(entries: list[Entry], facts: Facts, *, ledger_forgets: bool = False) -> Verdict:
+    """Every key's outcome. `ledger_forgets` (a failover lost acknowledged commits): a key
+    charged twice whose extra charges were all refunded is `charged_twice_refunded` (a
+    gateway without idempotency can double; reconcile must repair it), and a conflicting
+    copy that found no row to conflict with and was refused by the gateway (`key_reused`,
+    dead-lettered `rejected`) while the key was charged once, right, is
+    `conflict_reported` (reconcile reports the ledger's mismatch for a person): reported,
+    not fatal."""
     verdict = Verdict()
     letters_by_key: dict[str, list[Letter]] = defaultdict(list)
     for letter in facts.letters:
@@ -160,16 +168,19 @@ def judge(entries: list[Entry], facts: Facts) -> Verdict:
             verdict.add(entry.key, "dead_lettered" if found else "poison_escaped")
             continue
         known.add(entry.key)
-        outcome, detail = _valid(entry, facts, letters_by_key[entry.key])
+        outcome, detail = _valid(
+            entry, facts, letters_by_key[entry.key], ledger_forgets=ledger_forgets
+        )
         verdict.add(entry.key, outcome, detail)
     for key, charges in facts.charges.items():
-        if key not in known and any(c["status"] in EFFECTIVE for c in charges):
+        if key not in known and any(_made(c) for c in charges):
             verdict.add(key, "unexpected", f"{len(charges)} gateway charge(s) for no manifest key")
     calls = [r["gateway_calls"] for r in facts.rows.values()] or [0]
     verdict.stats = {
         "gateway_calls_p50": statistics.median(calls),
         "gateway_calls_max": max(calls),
         "redeliveries": facts.redeliveries,
+        "doubles_refunded": verdict.outcomes[REPAIRED_DOUBLE],
         "dead_letters": len(facts.letters),
         "dead_letters_expected": sum(
             1 for e in entries if e.poison is not None or e.conflict_amount is not None
@@ -189,16 +200,32 @@ SETTLED = {
 }
 
 
-def _valid(entry: Entry, facts: Facts, letters: list[Letter]) -> tuple[str, str]:
+def _made(charge: dict[str, Any]) -> bool:
+    """A charge that took money, refunded since or not (a refund keeps it `succeeded`)."""
+    return charge["status"] == "succeeded"
+
+
+def _captured(charge: dict[str, Any]) -> bool:
+    """A charge that still holds money."""
+    return _made(charge) and charge["amount"] - charge.get("amount_refunded", 0) > 0
+
+
+def _valid(
+    entry: Entry, facts: Facts, letters: list[Letter], *, ledger_forgets: bool
+) -> tuple[str, str]:
     charges = facts.charges.get(entry.key, [])
-    effective = [c for c in charges if c["status"] in EFFECTIVE]
-    if violation := _violation(entry, charges, effective, letters):
+    effective = [c for c in charges if _made(c)]
+    held = [c for c in effective if _captured(c)] if ledger_forgets else effective
+    if ledger_forgets and _conflict_refused(entry, held, letters):
+        return CONFLICT_REPORTED, "the gateway refused the conflicting copy: key_reused"
+    if violation := _violation(entry, charges, held, letters):
         return violation
     row = facts.rows.get(entry.key)
     status = row["status"] if row else None
-    charged = len(effective) == 1
+    charged = len(held) == 1
     if SETTLED[entry.expect] == (charged, status):
-        return entry.expect, ""
+        repaired = entry.expect == "charged_once" and len(effective) > 1
+        return (REPAIRED_DOUBLE, _listed(effective)) if repaired else (entry.expect, "")
     if (
         entry.expect == "blocked"
         and charged
@@ -218,7 +245,7 @@ def _violation(
 ) -> tuple[str, str] | None:
     """A fatal outcome whatever the key was meant to become."""
     if len(effective) > 1:
-        return "charged_twice", ", ".join(f"{c['id']} ({c['status']})" for c in effective)
+        return "charged_twice", _listed(effective)
     amounts = {entry.amount, entry.conflict_amount} - {None}
     for charge in charges:
         if (
@@ -232,6 +259,22 @@ def _violation(
     if entry.conflict_amount is not None and not letters:
         return "conflict_escaped", "the conflicting copy was not dead-lettered `conflict`"
     return None
+
+
+def _conflict_refused(entry: Entry, held: list[dict[str, Any]], letters: list[Letter]) -> bool:
+    reasons = {letter.reason for letter in letters}
+    return (
+        entry.conflict_amount is not None
+        and "rejected" in reasons
+        and reasons <= {"rejected", "conflict"}
+        and [c["amount"] for c in held] == [entry.amount]
+    )
+
+
+def _listed(charges: list[dict[str, Any]]) -> str:
+    return ", ".join(
+        f"{c['id']} ({'refunded' if c.get('refunded') else c['status']})" for c in charges
+    )
 
 
 def _p99(values: list[float]) -> float:

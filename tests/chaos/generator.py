@@ -101,8 +101,11 @@ def _poison(index: int, rng: random.Random) -> str:
     return rng.choice(shapes)()
 
 
-def plan(seed: int, size: int, *, poison_share: float = 0.03) -> list[Entry]:
-    """`size` keys: mostly charges, some declines, blocks, poison; extra copies of some."""
+def plan(
+    seed: int, size: int, *, poison_share: float = 0.03, conflicts: bool = True
+) -> list[Entry]:
+    """`size` keys: mostly charges, some declines, blocks, poison; extra copies of some
+    (conflicting ones too, unless `conflicts` is False)."""
     rng = random.Random(seed)
     entries: list[Entry] = []
     for index in range(size):
@@ -131,7 +134,9 @@ def plan(seed: int, size: int, *, poison_share: float = 0.03) -> list[Entry]:
                 order_id=order_id,
                 customer=customer,
                 amount=amount,
-                conflict_amount=amount + 1 if kind == "charged_once" and extra < 0.02 else None,
+                conflict_amount=(
+                    amount + 1 if conflicts and kind == "charged_once" and extra < 0.02 else None
+                ),
                 same_msg_id_copies=1 if 0.02 <= extra < 0.07 else 0,
                 new_msg_id_copies=1 if 0.07 <= extra < 0.12 else 0,
             )

@@ -92,7 +92,9 @@ async def run_scenario(
     servers: Servers, scenario: Scenario, *, size: int, seed: int, root: Path
 ) -> Result:
     chronicle = Chronicle()
-    entries = generator.plan(seed, size, poison_share=scenario.poison_share)
+    entries = generator.plan(
+        seed, size, poison_share=scenario.poison_share, conflicts=scenario.conflicts
+    )
     root.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240  # once, before anything runs
     generator.write_manifest(root / "manifest.jsonl", entries)
     chronicle("harness", f"manifest: {len(entries)} keys, seed {seed}")
@@ -151,6 +153,8 @@ async def _attack_and_judge(
         system.heal()
         system.deploy_fix()
         chronicle("harness", "faults stopped, everything healed")
+        if scenario.produce_after_faults:  # the subscriptions' advance may be lost too
+            await _produce(system)
         faults_over = time.monotonic()
         not_quiet = None
         try:
@@ -163,7 +167,7 @@ async def _attack_and_judge(
         stop_supervisor.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     facts = await checker.gather(system.gateway.url, system.database_url, nc, system.direct_nats)
-    verdict = checker.judge(entries, facts)
+    verdict = checker.judge(entries, facts, ledger_forgets=scenario.ledger_forgets)
     timings = {
         "worker_restarts": system.restarts,
         "converge_after_faults_s": round(converged, 1),
@@ -288,7 +292,7 @@ def _nothing_done(stdout: str) -> bool:
     except ValueError:
         return False
     counts = report.get("counts", {})
-    work = ("double_charges", "unknown_resolved", "republished", "errors")
+    work = ("double_charges", "unrecorded_charges", "unknown_resolved", "republished", "errors")
     return bool(report.get("ran")) and not any(counts.get(k) for k in work)
 
 

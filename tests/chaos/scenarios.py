@@ -36,7 +36,13 @@ class Scenario:
     quiet_within_s: float = 180.0
     shape: Shape = "single"  # the engines: see `Servers`
     fresh_servers: bool = False  # its faults leave the engines changed (a failover)
-    doubles_repaired: bool = False  # a double is fine if one reconcile run refunded it
+    ledger_forgets: bool = False  # lost commits: repaired doubles and reported conflicts are fine
+    produce_after_faults: bool = False  # the runbook's step after a database failover
+    # conflicting copies (same key, another amount): without gateway idempotency, one that
+    # arrives after a failover lost its key's row is charged too, and only a person can
+    # tell which amount was right (reconcile reports it): a limit, stated in
+    # docs/reliability.md, not what a failover scenario measures
+    conflicts: bool = True
 
     @property
     def failpoints(self) -> str:
@@ -174,6 +180,8 @@ CLUSTER_SCENARIOS: tuple[Scenario, ...] = (
         "PostgreSQL async standby promoted after WAL shipping was held 2-4 s",
         nemeses=(nemesis.FAILOVER,),
         fresh_servers=True,
+        produce_after_faults=True,
+        ledger_forgets=True,
         **CLUSTERED,
     ),
     Scenario(
@@ -181,7 +189,9 @@ CLUSTER_SCENARIOS: tuple[Scenario, ...] = (
         "the same failover with a gateway that keeps no idempotency keys",
         nemeses=(nemesis.FAILOVER,),
         fresh_servers=True,
-        doubles_repaired=True,
+        produce_after_faults=True,
+        ledger_forgets=True,
+        conflicts=False,
         **(CLUSTERED | {"gateway": FLOWING | {"idempotency_enabled": False}}),
     ),
     Scenario(
@@ -189,6 +199,7 @@ CLUSTER_SCENARIOS: tuple[Scenario, ...] = (
         "PostgreSQL synchronous standby promoted after WAL shipping was held 2-4 s",
         nemeses=(nemesis.FAILOVER,),
         fresh_servers=True,
+        produce_after_faults=True,
         **(CLUSTERED | {"shape": "cluster_sync"}),
     ),
 )
