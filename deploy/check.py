@@ -17,7 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy import chart, dockerfile, pods, receiver, sources, validate, wiring, workloads
+from deploy import (
+    chart,
+    dockerfile,
+    network,
+    pods,
+    receiver,
+    sources,
+    validate,
+    wiring,
+    workloads,
+)
 from deploy.chart import DEPLOY, ROOT, Manifest, RenderError
 from deploy.rendered import Rendered
 
@@ -53,6 +63,10 @@ RENDERED_CHECKS: list[tuple[str, Check]] = [
         wiring.check_wiring,
     ),
     ("scaling: pods x concurrency <= max_ack_pending, KEDA trigger", workloads.check_scaling),
+    (
+        "network: one NetworkPolicy per component, in and out only what its command needs",
+        network.check_network_policy,
+    ),
     ("PrometheusRule == config/alerts.yml less excluded groups", sources.check_alert_rules),
     (
         "dashboard ConfigMap == config/grafana-dashboard.json, sidecar label",
@@ -144,6 +158,16 @@ REFUSALS = [
         "natsServerMonitoringEndpoint",
     ),
     Refusal(
+        "a NetworkPolicy that cuts the pods off from a NATS server",
+        {"config": {"NATS_URL": "nats://nats-0.nats:4222,nats://nats-1.nats:4223"}},
+        "networkPolicy.egress.nats.ports [4222] lack port 4223 of NATS_URL",
+    ),
+    Refusal(
+        "a NetworkPolicy egress target without ports",
+        {"networkPolicy": {"egress": {"postgresql": {"ports": []}}}},
+        "/networkPolicy/egress/postgresql/ports",
+    ),
+    Refusal(
         "KEDA scaling to zero",
         {"keda": {"enabled": True, "minReplicaCount": 0, "natsServerMonitoringEndpoint": "n:8222"}},
         "minReplicaCount",
@@ -167,6 +191,7 @@ UNSET_SETTINGS: dict[str, Any] = {
 VARIANTS: dict[str, dict[str, Any]] = {
     "the chart's copies of settings unset": UNSET_SETTINGS,
     "the webhook receiver off": {"webhooks": {"enabled": False}},
+    "the NetworkPolicies off": {"networkPolicy": {"enabled": False}},
 }
 
 

@@ -9,7 +9,6 @@ asyncpg's exceptions.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -72,13 +71,3 @@ async def close_quietly(conn: asyncpg.Connection) -> None:
     """Close a connection whatever state it is in (the server may be gone)."""
     with contextlib.suppress(*DRIVER_ERRORS):
         await conn.close(timeout=5)
-
-
-async def not_answering(pool: asyncpg.Pool) -> str | None:
-    """Why the database does not answer a trivial query within seconds, or None if it does."""
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            await pool.fetchval("SELECT 1")
-    except (TimeoutError, *DRIVER_ERRORS) as error:
-        return f"PostgreSQL not answering: {type(error).__name__}"
-    return None

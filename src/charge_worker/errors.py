@@ -28,7 +28,8 @@ Our exception hierarchy::
     └── DeliveryRejected ......... a webhook delivery refused before anything was recorded
         ├── MalformedDelivery .... missing or malformed headers or body: 400
         ├── UnauthenticDelivery .. no valid signature, or a stale timestamp: 401
-        └── DeliveryTooLarge ..... the body is over the limit: 413
+        ├── DeliveryTooLarge ..... the body is over the limit: 413
+        └── DeliveryTooSlow ...... the body did not arrive in time: 408
 """
 
 from __future__ import annotations

@@ -134,6 +134,11 @@ class WebhookSettings(_EnvGroup):
     webhook_tolerance_s: float = Field(300.0, gt=0, le=300.0)  # the contract's 5 min at most
     # the gateway retries a delivery for up to 3 days: keep the journal at least that long
     webhook_retention_s: float = Field(3 * 86400.0, ge=3 * 86400.0)
+    # slow clients: the gateway gives up on an answer after 5 s, so nothing slower is real
+    webhook_header_timeout_s: float = Field(5.0, gt=0, le=60.0)
+    webhook_body_timeout_s: float = Field(5.0, gt=0, le=60.0)
+    webhook_keep_alive_s: int = Field(5, ge=1, le=600)
+    webhook_max_connections: int = Field(100, ge=2, le=10_000)
 
     @field_validator("webhook_secrets", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from deploy import (  # noqa: E402
     chart,
     check,
     dockerfile,
+    network,
     pods,
     receiver,
     sources,
@@ -40,6 +41,7 @@ VALUE_SETS = {
     **{name: (files, None) for name, files in chart.VALUE_SETS.items()},
     "unset-settings": (chart.VALUE_SETS["defaults"], check.UNSET_SETTINGS),
     "webhooks-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the webhook receiver off"]),
+    "network-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the NetworkPolicies off"]),
 }
 _CACHE: dict[str, Rendered] = {}
 
@@ -87,6 +89,7 @@ def test_the_value_sets_render_what_the_issue_lists() -> None:
         "Deployment",
         "Ingress",
         "Job",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "PrometheusRule",
         "ScaledObject",
@@ -96,6 +99,47 @@ def test_the_value_sets_render_what_the_issue_lists() -> None:
     }
     assert "ScaledObject" not in {m.kind for m in rendered_for("defaults").manifests}
     assert "Ingress" not in {m.kind for m in rendered_for("defaults").manifests}
+    assert "NetworkPolicy" in {m.kind for m in rendered_for("defaults").manifests}
+    assert "NetworkPolicy" not in {m.kind for m in rendered_for("network-off").manifests}
+
+
+# The NetworkPolicies.
+
+
+def _policy(rendered: Rendered, component: str) -> dict[str, Any]:
+    spec: dict[str, Any] = _find(rendered, "NetworkPolicy", component)["spec"]
+    return spec
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_every_pod_has_a_network_policy_of_both_types(value_set: str) -> None:
+    rendered = rendered_for(value_set)
+    components = {p.component for p in rendered.pods()}
+    assert components == {"worker", "webhooks", "produce", "reconcile", "migrate"}
+    for component in components:
+        assert _policy(rendered, component)["policyTypes"] == ["Ingress", "Egress"]
+
+
+def test_only_the_ingress_controller_and_monitoring_reach_the_receiver() -> None:
+    rendered = rendered_for("all-on")
+    [rule] = _policy(rendered, "webhooks")["ingress"]
+    peers = [
+        (p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"], p["podSelector"])
+        for p in rule["from"]
+    ]
+    assert peers == [
+        ("ingress", {"matchLabels": {"app.kubernetes.io/name": "ingress-nginx"}}),
+        ("monitoring", {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}),
+    ]
+    assert rule["ports"] == [{"port": 8443, "protocol": "TCP"}]
+    for component in ("produce", "reconcile", "migrate"):
+        assert _policy(rendered, component)["ingress"] == []
+
+
+def test_the_receiver_may_not_reach_nats_nor_scoring() -> None:
+    egress = _policy(rendered_for("defaults"), "webhooks")["egress"]
+    ports = {(p["protocol"], p["port"]) for rule in egress for p in rule["ports"]}
+    assert ports == {("TCP", 5432), ("TCP", 443), ("UDP", 53), ("TCP", 53)}
 
 
 # The webhook receiver.
@@ -420,6 +464,46 @@ def _edited_dashboard(r: Rendered) -> None:
     dashboard["data"]["charge-worker.json"] = '{"title": "something else"}'
 
 
+def _no_policy_for_produce(r: Rendered) -> None:
+    r.manifests.remove(
+        next(m for m in r.of_kind("NetworkPolicy") if m.name.endswith("-produce-network"))
+    )
+
+
+def _policy_selects_every_pod(r: Rendered) -> None:
+    del _policy(r, "worker")["podSelector"]["matchLabels"][COMPONENT]
+
+
+def _receiver_open_to_all(r: Rendered) -> None:
+    del _policy(r, "webhooks")["ingress"][0]["from"]
+
+
+def _metrics_from_anywhere_in_the_cluster(r: Rendered) -> None:
+    _policy(r, "worker")["ingress"][0]["from"] = [{"podSelector": {}}]
+
+
+def _receiver_reaches_nats(r: Rendered) -> None:
+    _policy(r, "webhooks")["egress"].append({"ports": [{"port": 4222, "protocol": "TCP"}]})
+
+
+def _worker_cut_off_from_scoring(r: Rendered) -> None:
+    egress = _policy(r, "worker")["egress"]
+    egress[:] = [rule for rule in egress if rule["ports"][0]["port"] != 8080]
+
+
+def _egress_to_every_port(r: Rendered) -> None:
+    _policy(r, "reconcile")["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+
+
+def _no_dns(r: Rendered) -> None:
+    egress = _policy(r, "migrate")["egress"]
+    egress[:] = [rule for rule in egress if rule["ports"][0]["port"] != 53]
+
+
+def _only_ingress_restricted(r: Rendered) -> None:
+    _policy(r, "produce")["policyTypes"] = ["Ingress"]
+
+
 BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]], str]] = [
     (_liveness_elsewhere, workloads.check_worker, "livenessProbe probes /metrics"),
     (_grace_equal_to_drain, workloads.check_worker, "is not longer than CHARGE_WORKER_DRAIN_S"),
@@ -480,6 +564,23 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_ingress_to_the_worker, receiver.check_ingress, "not charge-worker-webhooks"),
     (_lag_threshold_a_number, workloads.check_scaling, "not strings (KEDA requires)"),
     (_keda_reads_another_consumer, workloads.check_scaling, "is not CHARGE_WORKER_DURABLE"),
+    (_no_policy_for_produce, network.check_network_policy, "no NetworkPolicy for the produce"),
+    (_policy_selects_every_pod, network.check_network_policy, "selects the pods of ['migrate',"),
+    (_receiver_open_to_all, network.check_network_policy, "lets in any source"),
+    (
+        _metrics_from_anywhere_in_the_cluster,
+        network.check_network_policy,
+        "not the pods of one namespace",
+    ),
+    (_receiver_reaches_nats, network.check_network_policy, "[('TCP', 4222)] (protocol, port)"),
+    (
+        _worker_cut_off_from_scoring,
+        network.check_network_policy,
+        "does not let out [('TCP', 8080)]",
+    ),
+    (_egress_to_every_port, network.check_network_policy, "lets out every port"),
+    (_no_dns, network.check_network_policy, "does not let out [('TCP', 53), ('UDP', 53)]"),
+    (_only_ingress_restricted, network.check_network_policy, "not both"),
     (_edited_alert, sources.check_alert_rules, "differ from config/alerts.yml"),
     (_edited_dashboard, sources.check_dashboard, "differs from config/grafana-dashboard.json"),
 ]

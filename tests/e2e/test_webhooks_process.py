@@ -14,66 +14,18 @@ import asyncpg
 import httpx
 import pytest
 
-from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.webhooks.signature import signed_headers
 from tests.support.harness import eventually
 from tests.support.webhooks import (
-    API_KEY,
     SECRET,
+    WebhooksProcess,
     add_row,
     event,
     journal,
     ledger,
     settled,
 )
-
-
-class WebhooksProcess:
-    """`python -m charge_worker webhooks` on its own port, logging to a file."""
-
-    def __init__(self, database_url: str, gateway_url: str, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
-        env = clean | {
-            "DATABASE_URL": database_url,
-            "GATEWAY_URL": gateway_url,
-            "GATEWAY_API_KEY": API_KEY,
-            "CHARGE_WORKER_WEBHOOK_SECRETS": f"{SECRET}",
-            "CHARGE_WORKER_WEBHOOK_HOST": "127.0.0.1",
-            "CHARGE_WORKER_WEBHOOK_PORT": str(self.port),
-            "CHARGE_WORKER_LOG_FORMAT": "json",
-        }
-        self.log = log
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "charge_worker", "webhooks"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-
-    async def ready(self) -> None:
-        async def answers() -> bool:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                async with httpx.AsyncClient() as client:
-                    return (await client.get(f"{self.url}/readyz")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        await eventually(answers, "the receiver ready")
-
-    async def exited(self) -> int:
-        await eventually(lambda: self.proc.poll() is not None, "the receiver exited")
-        return self.proc.returncode
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

@@ -39,7 +39,9 @@ from tests.support.webhooks import (
     add_row,
     counted,
     due,
+    entry,
     event,
+    idle_processor,
     journal,
     ledger,
     running_receiver,
@@ -85,6 +87,24 @@ async def test_the_same_event_three_times_changes_the_ledger_once(
         "charge_worker_webhook_deliveries_total", source="gateway", result="journaled"
     )
     assert journaled == 1
+
+
+@pytest.mark.parametrize(
+    "legacy", [False, True], ids=["refunded true, status succeeded", "status refunded (old shape)"]
+)
+async def test_a_refund_is_recorded_from_either_shape_of_the_charge(
+    legacy: bool, receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    # contracts/gateway.md: a refunded charge keeps status succeeded, `refunded` says it
+    await add_row(db, 20, "succeeded", charge_id="ch_20")
+    refund = event("ch_20", "charge.refunded", revision=2, order_id=20, legacy=legacy)
+
+    assert (await receiver.post(refund)).status_code == 200
+    await eventually(lambda: settled(db, refund["id"]), "the refund processed")
+
+    row = await ledger(db, 20)
+    assert (row["status"], row["gateway_revision"]) == ("refunded", 2)
+    assert await status_of(db, refund["id"]) == "applied"
 
 
 async def test_ten_concurrent_copies_are_journaled_and_applied_once(
@@ -147,6 +167,48 @@ async def test_a_replay_of_revision_12_changes_nothing(
         (applied["id"], "applied"),
         (resent["id"], "stale"),
     ]
+
+
+async def test_in_one_batch_only_the_newest_snapshot_of_a_charge_is_applied(
+    database_url: str, gateway_sim: ServedApp, db: asyncpg.Connection
+) -> None:
+    # events queued up (a restart, a database outage): both snapshots reach one batch
+    await add_row(db, 18, "pending")  # the worker's answer was lost, its lease is gone
+    newer = event("ch_18", "charge.succeeded", revision=2, order_id=18)
+    older = event("ch_18", "charge.failed", revision=1, order_id=18)
+    async with idle_processor(database_url, gateway_sim.url) as (inbox, processor):
+        for body in (newer, older):
+            assert await inbox.journal(entry(body))
+        assert await processor.run_once() == 2
+
+    row = await ledger(db, 18)
+    assert (row["status"], row["gateway_charge_id"], row["gateway_revision"]) == (
+        "succeeded",
+        "ch_18",
+        2,
+    )
+    assert await status_of(db, newer["id"]) == "applied"
+    assert await status_of(db, older["id"]) == "stale"
+
+
+async def test_an_older_snapshot_processed_after_a_newer_one_was_journaled_is_stale(
+    database_url: str, gateway_sim: ServedApp, db: asyncpg.Connection
+) -> None:
+    await add_row(db, 19, "pending")
+    older = event("ch_19", "charge.failed", revision=1, order_id=19)
+    newer = event("ch_19", "charge.succeeded", revision=2, order_id=19)
+    one_at_a_time = ProcessorTuning(**{**FAST.__dict__, "batch": 1})
+    async with idle_processor(database_url, gateway_sim.url, one_at_a_time) as (inbox, processor):
+        for body in (older, newer):  # the older one first: it is taken first, alone
+            assert await inbox.journal(entry(body))
+        assert await processor.run_once() == 1
+        assert await status_of(db, older["id"]) == "stale"
+        assert (await ledger(db, 19))["status"] == "pending"  # nothing rolled forward by it
+        assert await processor.run_once() == 1
+
+    row = await ledger(db, 19)
+    assert (row["status"], row["gateway_revision"]) == ("succeeded", 2)
+    assert await status_of(db, newer["id"]) == "applied"
 
 
 # --- events ahead of the ledger ----------------------------------------------------------

@@ -7,10 +7,14 @@ import base64
 import contextlib
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -18,9 +22,13 @@ import httpx
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from charge_worker.gateway import GatewayClient
 from charge_worker.messages import ChargeDue
+from charge_worker.sandbox.embedded import free_port
 from charge_worker.settings import DbSettings, GatewaySettings, Settings, WebhookSettings
-from charge_worker.webhooks.processor import ProcessorTuning
+from charge_worker.webhooks.inbox import Entry, Inbox
+from charge_worker.webhooks.metrics import WebhookMetrics
+from charge_worker.webhooks.processor import Processor, ProcessorTuning
 from charge_worker.webhooks.serve import Receiving, run_webhooks
 from charge_worker.webhooks.signature import signed_headers
 from tests.support.harness import eventually
@@ -44,8 +52,10 @@ FAST = ProcessorTuning(
 OPEN = ("received", "processing", "awaiting_dependency")
 
 
-def webhook_settings(database_url: str, gateway_url: str, *secrets: str) -> Settings:
-    """Settings for a receiver on a free loopback port."""
+def webhook_settings(
+    database_url: str, gateway_url: str, *secrets: str, **webhooks: Any
+) -> Settings:
+    """Settings for a receiver on a free loopback port; `webhooks`: more `WebhookSettings`."""
     return Settings(
         db=DbSettings(url=database_url),
         gateway=GatewaySettings(url=gateway_url, api_key=SecretStr(API_KEY)),
@@ -53,6 +63,7 @@ def webhook_settings(database_url: str, gateway_url: str, *secrets: str) -> Sett
             webhook_host="127.0.0.1",
             webhook_port=0,
             webhook_secrets=tuple(SecretStr(s) for s in secrets or (SECRET,)),
+            **webhooks,
         ),
     )
 
@@ -65,26 +76,52 @@ def event(
     order_id: int = 1,
     status: str | None = None,
     event_id: str | None = None,
+    legacy: bool = False,
 ) -> dict[str, Any]:
-    """A gateway event about `charge_id`; the status follows the type unless given."""
-    default = {"charge.refunded": "refunded", "charge.failed": "failed"}.get(kind, "succeeded")
+    """A gateway event about `charge_id`; the status follows the type unless given.
+
+    A refunded charge keeps `status: "succeeded"` with `refunded: true` and
+    `amount_refunded` (contracts/gateway.md); `legacy` makes the shape from before that
+    contract change (`status: "refunded"`, neither field)."""
+    refunded = kind == "charge.refunded"
+    default = "failed" if kind == "charge.failed" else "succeeded"
+    if legacy and refunded:
+        default = "refunded"
+    charge: dict[str, Any] = {
+        "id": charge_id,
+        "object": "charge",
+        "status": status or default,
+        "amount": 99000,
+        "currency": "RUB",
+        "customer": "cus_ok",
+        "metadata": {"order_id": str(order_id), "billing_period": PERIOD.isoformat()},
+        "revision": revision,
+    }
+    if not legacy:
+        charge |= {"refunded": refunded, "amount_refunded": 99000 if refunded else 0}
     return {
         "id": event_id or f"evt_{uuid.uuid4().hex[:16]}",
         "type": kind,
         "created": int(time.time()),
-        "data": {
-            "object": {
-                "id": charge_id,
-                "object": "charge",
-                "status": status or default,
-                "amount": 99000,
-                "currency": "RUB",
-                "customer": "cus_ok",
-                "metadata": {"order_id": str(order_id), "billing_period": PERIOD.isoformat()},
-                "revision": revision,
-            }
-        },
+        "data": {"object": charge},
     }
+
+
+def entry(body: dict[str, Any], source: str = "gateway") -> Entry:
+    """`body` as the receiver journals it (for tests that drive the processor directly)."""
+    charge = body["data"]["object"]
+    metadata = charge["metadata"]
+    return Entry(
+        source,
+        body["id"],
+        body["id"],
+        body["type"],
+        charge["id"],
+        charge["revision"],
+        int(metadata["order_id"]),
+        dt.date.fromisoformat(metadata["billing_period"]),
+        json.dumps(body),
+    )
 
 
 @dataclass
@@ -141,6 +178,27 @@ async def running_receiver(
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def idle_processor(
+    database_url: str, gateway_url: str, tuning: ProcessorTuning = FAST
+) -> AsyncIterator[tuple[Inbox, Processor]]:
+    """A journal and a processor that runs only when the test calls `run_once`, so the
+    test decides which events one batch holds."""
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    assert pool is not None
+    gateway = GatewayClient(GatewaySettings(url=gateway_url, api_key=SecretStr(API_KEY)))
+    inbox = Inbox(pool)
+    metrics = WebhookMetrics(CollectorRegistry(), source="gateway")
+    processor = Processor(
+        inbox, gateway, metrics, owner="test-processor", retention_s=3 * 86400, tuning=tuning
+    )
+    try:
+        yield inbox, processor
+    finally:
+        await gateway.aclose()
+        await pool.close()
 
 
 async def add_row(
@@ -232,3 +290,50 @@ def due(order_id: int, customer: str = "cus_ok") -> ChargeDue:
             "due_at": dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
         }
     )
+
+
+class WebhooksProcess:
+    """`python -m charge_worker webhooks` on its own port, logging to a file."""
+
+    def __init__(self, database_url: str, gateway_url: str, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
+        env = clean | {
+            "DATABASE_URL": database_url,
+            "GATEWAY_URL": gateway_url,
+            "GATEWAY_API_KEY": API_KEY,
+            "CHARGE_WORKER_WEBHOOK_SECRETS": f"{SECRET}",
+            "CHARGE_WORKER_WEBHOOK_HOST": "127.0.0.1",
+            "CHARGE_WORKER_WEBHOOK_PORT": str(self.port),
+            "CHARGE_WORKER_LOG_FORMAT": "json",
+        }
+        self.log = log
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "charge_worker", "webhooks"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    async def ready(self) -> None:
+        async def answers() -> bool:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                async with httpx.AsyncClient() as client:
+                    return (await client.get(f"{self.url}/readyz")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await eventually(answers, "the receiver ready")
+
+    async def exited(self) -> int:
+        await eventually(lambda: self.proc.poll() is not None, "the receiver exited")
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -125,3 +125,31 @@ def test_the_example_env_file_is_valid() -> None:
     settings = load_settings()
     assert settings.nats.url == "nats://nats.example.internal:4222"
     assert settings.gateway.api_key is None  # never in a file we ship
+
+
+def test_the_webhook_receiver_has_deadlines_and_a_connection_limit_by_default() -> None:
+    webhooks = load_settings().webhooks
+    # the gateway gives up on an answer after 5 s: no real delivery needs longer
+    assert (webhooks.webhook_header_timeout_s, webhooks.webhook_body_timeout_s) == (5, 5)
+    assert webhooks.webhook_keep_alive_s == 5
+    assert webhooks.webhook_max_connections == 100
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("CHARGE_WORKER_WEBHOOK_HEADER_TIMEOUT_S", "0"),
+        ("CHARGE_WORKER_WEBHOOK_HEADER_TIMEOUT_S", "600"),
+        ("CHARGE_WORKER_WEBHOOK_BODY_TIMEOUT_S", "-1"),
+        ("CHARGE_WORKER_WEBHOOK_KEEP_ALIVE_S", "0"),
+        ("CHARGE_WORKER_WEBHOOK_KEEP_ALIVE_S", "1.5"),
+        ("CHARGE_WORKER_WEBHOOK_MAX_CONNECTIONS", "1"),
+        ("CHARGE_WORKER_WEBHOOK_MAX_CONNECTIONS", "lots"),
+    ],
+)
+def test_a_bad_webhook_deadline_or_limit_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SettingsError, match=f"^{env}: "):
+        load_settings()

@@ -348,3 +348,37 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end }}
+
+{{/* A NetworkPolicy peer: the pods of one namespace (by the kubernetes.io/metadata.name
+     label Kubernetes gives every namespace), only those with `podLabels` when given. */}}
+{{- define "charge-worker.namespacePeer" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .namespace | quote }}
+{{- with .podLabels }}
+  podSelector:
+    matchLabels:
+      {{- toYaml . | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* Refuse to render NetworkPolicies that would cut a pod off from a server its settings
+     name: each port of `url` (a comma-separated list; the scheme's default port when none
+     is given) must be among the `target`'s egress ports. */}}
+{{- define "charge-worker.egressCoversUrl" -}}
+{{- $allowed := list }}
+{{- range (index .ctx.Values.networkPolicy.egress .target).ports }}
+{{- $allowed = append $allowed (int .) }}
+{{- end }}
+{{- $defaults := dict "nats" 4222 "tls" 4222 "http" 80 "https" 443 }}
+{{- range $url := splitList "," (toString (index .ctx.Values.config .setting)) }}
+{{- $parsed := urlParse (trim $url) }}
+{{- if $parsed.host }}
+{{- $port := regexFind "[0-9]+$" (regexFind ":[0-9]+$" $parsed.host) }}
+{{- $port = int (default (index $defaults $parsed.scheme | default 0) $port) }}
+{{- if not (has $port $allowed) }}
+{{- fail (printf "networkPolicy.egress.%s.ports %v lack port %d of %s: its pods could not reach %s" $.target $allowed $port $.setting (trim $url)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -29,7 +29,7 @@ import click
 import structlog
 from pydantic import ValidationError
 
-from charge_worker import database, streams
+from charge_worker import database, privileges, streams
 from charge_worker.database import translated
 from charge_worker.messages import SCHEMA, ChargeDue
 from charge_worker.periods import due_periods, next_period
@@ -138,6 +138,7 @@ async def produce(
         # one connection: both steps run one statement at a time, never two at once
         conn = await database.connect(settings.db, application_name="charge-worker produce")
         stack.push_async_callback(database.close_quietly, conn)
+        await privileges.require(conn, privileges.PRODUCE)
         await schedule(
             conn, day, summary, batch_size=batch_size or SCHEDULE_BATCH, progress=progress
         )

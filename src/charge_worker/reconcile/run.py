@@ -31,7 +31,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from charge_worker import database, streams
+from charge_worker import database, privileges, streams
 from charge_worker.database import translated
 from charge_worker.errors import (
     ChargeWorkerError,
@@ -138,6 +138,7 @@ async def run_reconcile(
     gateway = GatewayClient(settings.gateway)  # checks GATEWAY_URL / GATEWAY_API_KEY first
     try:
         async with _ledger(settings.db) as conn, translated():
+            await privileges.require(conn, privileges.RECONCILE)
             if not dry_run and not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
                 report.skipped = SKIPPED
                 return report

@@ -57,8 +57,14 @@ UPDATE webhook_inbox AS w
                  ORDER BY next_attempt_at, id
                  LIMIT $2 FOR UPDATE SKIP LOCKED)
 RETURNING w.id, w.source, w.event_id, w.event_type, w.object_id, w.revision, w.order_id,
-          w.billing_period, w.payload -> 'data' -> 'object' ->> 'status' AS object_status,
-          w.attempts, extract(epoch FROM now() - w.received_at)::float8 AS age_s
+          w.billing_period, w.attempts, extract(epoch FROM now() - w.received_at)::float8 AS age_s,
+          w.payload -> 'data' -> 'object' ->> 'status' AS object_status,
+          -- rows journaled before these fields were read may hold anything there
+          coalesce(w.payload -> 'data' -> 'object' -> 'refunded' = 'true'::jsonb, false)
+              AS refunded,
+          CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'amount_refunded') = 'number'
+               THEN greatest((w.payload -> 'data' -> 'object' ->> 'amount_refunded')::numeric, 0)
+               ELSE 0 END AS amount_refunded
 """
 
 _LEDGER_BY_KEY = """
@@ -75,9 +81,11 @@ SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
    FOR UPDATE
 """
 
-_NEWEST_APPLIED = """
-SELECT coalesce(max(revision), 0) FROM webhook_inbox
- WHERE source = $1 AND object_id = $2 AND status = 'applied' AND id <> $3
+# the other events about this charge object: the newest revision applied, and journaled
+_NEWEST = """
+SELECT coalesce(max(revision) FILTER (WHERE status = 'applied'), 0) AS applied,
+       coalesce(max(revision), 0) AS known
+  FROM webhook_inbox WHERE source = $1 AND object_id = $2 AND id <> $3
 """
 
 # Guarded although the row is locked: only a newer snapshot of the same (or a not yet
@@ -163,6 +171,8 @@ class Job:
     object_status: str
     attempts: int
     age_s: float
+    refunded: bool = False
+    amount_refunded: int = 0
 
     @property
     def key(self) -> tuple[int, dt.date] | None:
@@ -171,10 +181,19 @@ class Job:
             return None
         return self.order_id, self.billing_period
 
-    def snapshot(self, status: str | None = None) -> Snapshot:
-        """What the event says; `status` overrides the charge status (a lookup's answer)."""
-        status = status or self.object_status
-        return Snapshot(self.event_type, self.charge_id, self.revision, status)
+    def snapshot(self, state: str | None = None) -> Snapshot:
+        """What the event says; `state` (a lookup's answer, `rules.state_of`) replaces the
+        charge's status and refund fields."""
+        if state is not None:
+            return Snapshot(self.event_type, self.charge_id, self.revision, state)
+        return Snapshot(
+            self.event_type,
+            self.charge_id,
+            self.revision,
+            self.object_status,
+            refunded=self.refunded,
+            amount_refunded=self.amount_refunded,
+        )
 
     def describe(self) -> dict[str, Any]:
         """The fields a log line or a story event carries."""
@@ -239,6 +258,8 @@ class Inbox:
                 r["object_status"] or "",
                 r["attempts"],
                 r["age_s"],
+                r["refunded"],
+                int(r["amount_refunded"]),
             )
             for r in rows
         ]
@@ -256,7 +277,8 @@ class Inbox:
                 record = await conn.fetchrow(_LEDGER_BY_KEY, *job.key)
             else:
                 record = await conn.fetchrow(_LEDGER_BY_CHARGE, job.charge_id)
-            newest = await conn.fetchval(_NEWEST_APPLIED, job.source, job.charge_id, job.id)
+            newest = await conn.fetchrow(_NEWEST, job.source, job.charge_id, job.id)
+            assert newest is not None  # an aggregate always returns one row
             row = (
                 None
                 if record is None
@@ -271,7 +293,8 @@ class Inbox:
                 job.snapshot(confirmed_status),
                 row,
                 confirmed=confirmed_status is not None,
-                newest_applied=newest,
+                newest_applied=newest["applied"],
+                newest_known=newest["known"],
             )
             if isinstance(decision, Wait):
                 if wait_s is not None:

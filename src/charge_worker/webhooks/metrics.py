@@ -18,6 +18,7 @@ DELIVERY_RESULTS = (
     "journaled",
     "duplicate",
     "too_large",
+    "too_slow",
     "malformed",
     "unauthorized",
     "unavailable",
@@ -61,6 +62,12 @@ class WebhookMetrics:
         self.purged = Counter(
             f"{PREFIX}_purged",
             "Journal rows deleted after the retention period.",
+            registry=registry,
+        )
+        self.slow_connections = Counter(
+            f"{PREFIX}_slow_connections",
+            "Connections closed for being slow: a request head, or the rest of a body answered"
+            " early, that did not arrive in time.",
             registry=registry,
         )
         self.inbox_rows = Gauge(

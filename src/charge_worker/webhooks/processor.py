@@ -29,7 +29,7 @@ from charge_worker.errors import ChargeWorkerError, LeaseHeld, TransientError
 from charge_worker.gateway import GatewayCharge
 from charge_worker.webhooks.inbox import Inbox, Job, status_of
 from charge_worker.webhooks.metrics import WebhookMetrics
-from charge_worker.webhooks.rules import Apply, Decision, Review, Wait
+from charge_worker.webhooks.rules import Apply, Decision, Review, Wait, state_of
 
 log = structlog.get_logger(__name__)
 LEASE_USE = 0.8  # of a batch's lease, before the rest of the batch is handed back
@@ -106,12 +106,14 @@ class Processor:
             self.last_tick = now = time.monotonic()
             done = 0
             try:
+                # scheduled before they run: a purge that fails (no DELETE granted, say)
+                # must not keep the loop from applying events
                 if now >= next_purge:
-                    await self.purge()
                     next_purge = now + tuning.purge_interval_s
+                    await self.purge()
                 if now >= next_stats:
-                    await self.report()
                     next_stats = now + tuning.stats_interval_s
+                    await self.report()
                 done = await self.run_once(stop)
             except TransientError as error:
                 log.warning("webhook.processor_unavailable", error=str(error))
@@ -128,7 +130,8 @@ class Processor:
         tuning = self.tuning
         jobs = await self.inbox.take(self.owner, limit=tuning.batch, lease_s=tuning.lease_s)
         lease_ends = time.monotonic() + tuning.lease_s * LEASE_USE
-        # revision order within a batch: fewer stale events (the guard is what makes it right)
+        # grouped by charge, in revision order; any order leaves the same ledger, since an
+        # event older than one journaled is stale (rules.decide)
         for job in sorted(jobs, key=lambda j: (j.charge_id, j.revision, j.id)):
             if time.monotonic() < lease_ends and not (stop and stop.is_set()):
                 await self.process(job)
@@ -173,12 +176,14 @@ class Processor:
             return wait
         charge = next((c for c in found if c.id == job.charge_id), None)
         if charge is None:
-            held = ", ".join(f"{c.id} {c.status}" for c in found) or "none"
+            held = ", ".join(f"{c.id} {state_of(c.status, refunded=c.refunded)}" for c in found)
+            held = held or "none"
             why = f"{decision.why}; the gateway holds no {job.charge_id} for this key ({held})"
             await self.inbox.review(job, self.owner, why)
             return Review(why)
+        state = state_of(charge.status, refunded=charge.refunded)
         return await self.inbox.decide_and_write(
-            job, self.owner, confirmed_status=charge.status, wait_s=tuning.backoff_max_s
+            job, self.owner, confirmed_status=state, wait_s=tuning.backoff_max_s
         )
 
     async def _failed(self, job: Job, error: str) -> None:

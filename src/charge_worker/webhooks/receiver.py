@@ -8,6 +8,7 @@ In this order, each step refusing with no side effect:
 | a signature header missing or malformed                 | 400                       |
 | `webhook-timestamp` further from now than the tolerance | 401                       |
 | the body, read as a stream, passes the limit (stops)    | 413                       |
+| the body is not complete within the body deadline       | 408                       |
 | no signature matches a configured secret                | 401                       |
 | the body is no event of the contract                    | 400                       |
 | the journal insert fails or outlasts `JOURNAL_BUDGET_S` | 503 (the gateway retries) |
@@ -26,13 +27,14 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
-from starlette.requests import Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from charge_worker.errors import (
     DeliveryRejected,
     DeliveryTooLarge,
+    DeliveryTooSlow,
     DependencyUnavailable,
     MalformedDelivery,
 )
@@ -50,11 +52,15 @@ class _Model(BaseModel):
 
 
 class ChargeObject(_Model):
-    """The charge snapshot an event carries."""
+    """The charge snapshot an event carries. A refunded charge keeps `status: "succeeded"`
+    and says `refunded` (in full) and `amount_refunded`; a gateway from before that contract
+    sent `status: "refunded"` and neither field, which is read the same way (`rules.state_of`)."""
 
     id: Id
     status: Annotated[str, Field(max_length=64)]
     revision: Annotated[StrictInt, Field(ge=1, le=2**63 - 1)]
+    refunded: StrictBool = False
+    amount_refunded: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -99,14 +105,21 @@ def check_length(request: Request, max_bytes: int) -> None:
         raise DeliveryTooLarge(f"Content-Length is over {max_bytes} bytes")
 
 
-async def read_limited(request: Request, max_bytes: int) -> bytes:
-    """The body, or `DeliveryTooLarge` as soon as it passes `max_bytes` (the rest unread)."""
+async def read_limited(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The body, or `DeliveryTooLarge` as soon as it passes `max_bytes` (the rest unread),
+    or `DeliveryTooSlow` when it is not complete within `timeout_s`."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise DeliveryTooLarge(f"the body is over {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise DeliveryTooLarge(f"the body is over {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError as error:
+        raise DeliveryTooSlow(f"the body took over {timeout_s:g}s") from error
+    except ClientDisconnect as error:
+        raise MalformedDelivery("the client left before the body was complete") from error
     return b"".join(chunks)
 
 
@@ -117,6 +130,7 @@ def receiver(
     inbox: Inbox,
     metrics: WebhookMetrics,
     max_bytes: int,
+    body_timeout_s: float,
     on_journaled: Callable[[], None] = lambda: None,
 ) -> Callable[[Request], Awaitable[Response]]:
     """The endpoint for one source's webhooks."""
@@ -128,7 +142,7 @@ def receiver(
             check_length(request, max_bytes)
             signed = read_headers(request.headers)
             verifier.check_time(signed)
-            body = await read_limited(request, max_bytes)
+            body = await read_limited(request, max_bytes, body_timeout_s)
             verifier.verify(body, signed)
             event = parse_event(body)
         except DeliveryRejected as rejected:

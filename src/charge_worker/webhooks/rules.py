@@ -2,10 +2,18 @@
 
 The event carries a snapshot of one gateway charge object at a `revision`; the ledger row
 (`charge_attempts`, found by the charge's metadata) records which charge it holds
-(`gateway_charge_id`) and the revision of it applied last (`gateway_revision`).
+(`gateway_charge_id`) and the revision of it applied last (`gateway_revision`). A snapshot
+is the whole charge, so only the newest one known counts: an older one is stale even when
+it is processed first (the journal holds a newer one, in the same batch or not).
+
+A refunded charge keeps `status: "succeeded"` and says `refunded: true` (contracts/gateway.md);
+its state here is `refunded`. The shape from before that contract (`status: "refunded"`) is
+still read the same way: journal rows written before an upgrade, and a gateway not on it yet.
 
 | ledger row                           | snapshot                       | decision                |
 |--------------------------------------|--------------------------------|-------------------------|
+| any                                  | a newer revision is journaled  | stale                   |
+| any                                  | partly refunded                | review                  |
 | none yet                             | any                            | wait                    |
 | holds another charge id              | newer revision already applied | stale                   |
 |                                      | succeeded, or a dispute        | review (double charge)  |
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the gateway's charge status -> the ledger status that records it
+# the charge's state (`state_of`) -> the ledger status that records it
 LEDGER_STATUS = {"succeeded": "succeeded", "refunded": "refunded", "failed": "declined"}
 EVENT_TYPES = frozenset(
     {"charge.succeeded", "charge.failed", "charge.refunded", "charge.dispute_created"}
@@ -38,14 +46,28 @@ DISPUTE = "charge.dispute_created"
 OPEN = frozenset({"scheduled", "pending"})
 
 
+def state_of(status: str, *, refunded: bool) -> str:
+    """The charge's state from its `status` and `refunded` flag: `refunded` once fully
+    refunded (the contract keeps its status `succeeded`), else its status."""
+    return "refunded" if refunded and status == "succeeded" else status
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """What an event says: charge `charge_id` had gateway `status` at `revision`."""
+    """What an event says: charge `charge_id` had gateway `status` at `revision`, with
+    `amount_refunded` (minor units) of it refunded, all of it when `refunded`."""
 
     event_type: str
     charge_id: str
     revision: int
     status: str
+    refunded: bool = False
+    amount_refunded: int = 0
+
+    @property
+    def state(self) -> str:
+        """`succeeded`, `failed` or `refunded` (or whatever unknown status it has)."""
+        return state_of(self.status, refunded=self.refunded)
 
 
 @dataclass(frozen=True)
@@ -103,28 +125,53 @@ Decision = Apply | Unchanged | Stale | Wait | Review
 
 
 def decide(
-    event: Snapshot, row: Row | None, *, confirmed: bool = False, newest_applied: int = 0
+    event: Snapshot,
+    row: Row | None,
+    *,
+    confirmed: bool = False,
+    newest_applied: int = 0,
+    newest_known: int = 0,
 ) -> Decision:
-    """The decision for `event` against `row`; `newest_applied` is the newest revision of
-    this charge object the journal has applied (it matters for charges the row does not hold)."""
-    decision = _decide(event, row, confirmed=confirmed, newest_applied=newest_applied)
+    """The decision for `event` against `row`. Of the other events about this charge object
+    in the journal, `newest_applied` is the newest revision applied (it matters for charges
+    the row does not hold), `newest_known` the newest journaled, whatever its status."""
+    decision = _decide(
+        event, row, confirmed=confirmed, newest_applied=newest_applied, newest_known=newest_known
+    )
     if confirmed and isinstance(decision, Wait) and not decision.worker_owned:
         return Review(f"still unresolved after a gateway lookup: {decision.why}")
     return decision
 
 
-def _decide(event: Snapshot, row: Row | None, *, confirmed: bool, newest_applied: int) -> Decision:
-    target = LEDGER_STATUS.get(event.status)
-    if event.event_type not in EVENT_TYPES:
-        return Review(f"unknown event type {event.event_type!r}")
-    if target is None:
-        return Review(f"unknown charge status {event.status!r}")
+def _decide(
+    event: Snapshot, row: Row | None, *, confirmed: bool, newest_applied: int, newest_known: int
+) -> Decision:
+    refused = _refused(event, newest_known)
+    if refused is not None:
+        return refused
+    target = LEDGER_STATUS[event.state]
     if row is None:
         return Wait("no ledger row for this charge's order and period yet")
     dispute = event.event_type == DISPUTE
     if row.charge_id is not None and row.charge_id != event.charge_id:
         return _other_charge(event, row.charge_id, target, dispute, newest_applied)
     return _this_charge(event, row, target, dispute, confirmed=confirmed)
+
+
+def _refused(event: Snapshot, newest_known: int) -> Decision | None:
+    """Why the event changes nothing whatever the ledger holds, or None."""
+    if event.event_type not in EVENT_TYPES:
+        return Review(f"unknown event type {event.event_type!r}")
+    if event.state not in LEDGER_STATUS:
+        return Review(f"unknown charge status {event.status!r}")
+    if newest_known > event.revision:
+        return Stale(f"revision {newest_known} of {event.charge_id} is journaled: only it applies")
+    if event.amount_refunded > 0 and event.state != "refunded":
+        return Review(
+            f"{event.charge_id} is partly refunded ({event.amount_refunded} minor units); "
+            "the ledger records only full refunds"
+        )
+    return None
 
 
 def _this_charge(
@@ -139,7 +186,7 @@ def _this_charge(
     if (row.status, target) == ("succeeded", "refunded"):
         return Apply(target, dispute, "succeeded -> refunded")
     return Review(
-        f"the gateway says {event.charge_id} is {event.status} (revision {event.revision}) "
+        f"the gateway says {event.charge_id} is {event.state} (revision {event.revision}) "
         f"but the ledger records {row.status}"
     )
 
@@ -170,4 +217,4 @@ def _other_charge(
             f"a second successful charge {event.charge_id} for a key the ledger records as "
             f"{recorded}: a double charge (reconcile refunds it)"
         )
-    return Unchanged(f"{event.charge_id} is {event.status}; the ledger records {recorded}")
+    return Unchanged(f"{event.charge_id} is {event.state}; the ledger records {recorded}")

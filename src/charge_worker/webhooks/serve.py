@@ -28,10 +28,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from charge_worker import event_loop, http
-from charge_worker.database import create_pool, not_answering
+from charge_worker import event_loop, http, privileges
+from charge_worker.database import create_pool
 from charge_worker.gateway import GatewayClient
 from charge_worker.settings import Settings
+from charge_worker.webhooks import connections
 from charge_worker.webhooks.inbox import Inbox
 from charge_worker.webhooks.metrics import WebhookMetrics
 from charge_worker.webhooks.processor import Processor, ProcessorTuning
@@ -97,9 +98,14 @@ async def run_webhooks(
             inbox=Inbox(receiver_pool),
             metrics=metrics,
             max_bytes=cfg.webhook_max_bytes,
+            body_timeout_s=cfg.webhook_body_timeout_s,
             on_journaled=processor.wake,
         )
-        server = http.server(_app(endpoint, metrics.registry, processor, receiver_pool, stop))
+        server = connections.server(
+            _app(endpoint, metrics.registry, processor, receiver_pool, stop),
+            cfg,
+            on_slow=metrics.slow_connections.inc,
+        )
         port = listener.getsockname()[1]
         log.info("webhooks.started", port=port, owner=owner)
         ready = Receiving(port, processor)
@@ -147,7 +153,9 @@ def _app(
         return f"processor loop wedged for over {http.WEDGED_AFTER_S:g}s"
 
     async def not_ready() -> str | None:
-        return "stopping" if stop.is_set() else await not_answering(pool)
+        if stop.is_set():
+            return "stopping"
+        return await privileges.not_granted(pool, privileges.WEBHOOKS)
 
     return http.probes_app(
         registry,

@@ -2,9 +2,10 @@
 
 `/healthz` answers "is the pull loop alive?": it fails only when the loop has not turned
 for `WEDGED_AFTER_S` (a hung process a restart would cure). `/readyz` answers "should this
-pod get work?": connected to NATS, PostgreSQL answering, the consumer bound and not
-draining. A side task copies JetStream's view of the consumer into gauges, so alerts can
-see lag and ack-pending from every pod (`max` over pods in the rules).
+pod get work?": connected to NATS, PostgreSQL answering with every privilege `run` needs
+granted (`privileges.RUN`; a missing one is named), the consumer bound and not draining.
+A side task copies JetStream's view of the consumer into gauges, so alerts can see lag and
+ack-pending from every pod (`max` over pods in the rules).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 
-from charge_worker.database import not_answering
+from charge_worker import privileges
 from charge_worker.http import WEDGED_AFTER_S
 from charge_worker.settings import NatsSettings
 from charge_worker.worker.metrics import Metrics
@@ -51,7 +52,7 @@ class Health:
             return "consumer not bound or draining"
         if not self.nc.is_connected:
             return "not connected to NATS"
-        return await not_answering(self.pool)
+        return await privileges.not_granted(self.pool, privileges.RUN)
 
 
 async def report_consumer_stats(

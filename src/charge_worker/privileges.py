@@ -1,0 +1,145 @@
+"""The PostgreSQL privileges each command needs on our tables, and the check of them.
+
+Every command but `migrate` runs as the worker role (`DATABASE_URL`), which the README's
+"Deploying" section grants exactly what these lists name, and nothing more. A grant left
+out does not stop a command from starting: it fails the first statement that needs it,
+which may be deep into a run (a delivery journaled by nobody, a refund made but not
+recorded). So the long-running commands check in `/readyz` (`not_granted`, which names the
+table) and a CronJob at its start (`require`, one line naming the privilege).
+
+A table that does not exist yet (the migrations have not run) counts as missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import asyncpg
+
+from charge_worker.database import PROBE_TIMEOUT_S, translated
+from charge_worker.errors import DependencyUnavailable, SettingsError
+
+# per requirement: granted, NULL when the table (or its serial sequence) does not exist
+_CHECK = """
+SELECT CASE WHEN to_regclass(n.relation) IS NULL THEN NULL
+            WHEN n.serial = '' THEN has_table_privilege(n.relation, n.privilege)
+            ELSE has_sequence_privilege(pg_get_serial_sequence(n.relation, n.serial), 'USAGE')
+       END AS granted
+  FROM unnest($1::text[], $2::text[], $3::text[])
+       WITH ORDINALITY AS n(relation, privilege, serial, i)
+ ORDER BY n.i
+"""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """`privileges` on `table`; with `serial`, USAGE on the sequence behind that column too
+    (an INSERT takes its default from it)."""
+
+    table: str
+    privileges: tuple[str, ...]
+    serial: str = ""
+
+    def requirements(self) -> list[tuple[str, str, str]]:
+        """(table, privilege, serial column) rows, the sequence's last."""
+        rows = [(self.table, privilege, "") for privilege in self.privileges]
+        if self.serial:
+            rows.append((self.table, "USAGE", self.serial))
+        return rows
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one command needs."""
+
+    command: str
+    grants: tuple[Grant, ...]
+
+
+_EVENTS = Grant("charge_events", ("INSERT",), serial="id")  # the append-only story
+
+RUN = Needs(
+    "run",
+    (
+        Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
+        Grant("deferred_scoring_checks", ("SELECT", "INSERT", "UPDATE")),
+        _EVENTS,
+    ),
+)
+WEBHOOKS = Needs(
+    "webhooks",
+    (
+        Grant("webhook_inbox", ("SELECT", "INSERT", "UPDATE", "DELETE"), serial="id"),
+        Grant("charge_attempts", ("SELECT", "UPDATE")),
+        _EVENTS,
+    ),
+)
+PRODUCE = Needs(
+    "produce",
+    (
+        Grant("subscriptions", ("SELECT", "UPDATE")),
+        Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
+        _EVENTS,
+    ),
+)
+RECONCILE = Needs(
+    "reconcile",
+    (
+        # INSERT: a charge whose row a failover lost is recorded from its subscription
+        Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
+        Grant("subscriptions", ("SELECT",)),
+        Grant("charge_events", ("SELECT", "INSERT"), serial="id"),
+    ),
+)
+EXPLAIN = Needs(
+    "explain",
+    (
+        Grant("charge_attempts", ("SELECT",)),
+        Grant("deferred_scoring_checks", ("SELECT",)),
+        Grant("charge_events", ("SELECT",)),
+    ),
+)
+EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RECONCILE, EXPLAIN)
+
+
+def _describe(table: str, privilege: str, serial: str, granted: bool | None) -> str:
+    if granted is None:
+        return f"table {table} (it does not exist: run charge-worker migrate)"
+    if serial:
+        return f"USAGE on the sequence of {table}.{serial}"
+    return f"{privilege} on {table}"
+
+
+async def missing(db: asyncpg.Pool | asyncpg.Connection, needs: Needs) -> list[str]:
+    """What the connected role lacks of `needs`, each naming its table; empty when nothing."""
+    rows = [row for grant in needs.grants for row in grant.requirements()]
+    columns = [list(column) for column in zip(*rows, strict=True)]
+    async with translated("privileges"):
+        granted = [record["granted"] for record in await db.fetch(_CHECK, *columns)]
+    found = [_describe(*row, ok) for row, ok in zip(rows, granted, strict=True) if ok is not True]
+    return list(dict.fromkeys(found))  # a missing table once, not once per privilege
+
+
+async def not_granted(pool: asyncpg.Pool, needs: Needs) -> str | None:
+    """For `/readyz`: why this role cannot do its work (naming the table), or why PostgreSQL
+    does not answer within seconds; None when it answers and everything is granted."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            lacking = await missing(pool, needs)
+    except (TimeoutError, DependencyUnavailable) as error:
+        cause = error.__cause__ or error
+        return f"PostgreSQL not answering: {type(cause).__name__}"
+    if not lacking:
+        return None
+    return f"the database role lacks {'; '.join(lacking)}"
+
+
+async def require(db: asyncpg.Pool | asyncpg.Connection, needs: Needs) -> None:
+    """At a command's start: `SettingsError`, in one line naming what the role lacks."""
+    lacking = await missing(db, needs)
+    if lacking:
+        raise SettingsError(
+            f"DATABASE_URL: the role lacks {'; '.join(lacking)}, which `{needs.command}` "
+            "needs (the README's Deploying section lists the grants)"
+        )

@@ -1,0 +1,140 @@
+"""The README's database grants, set up exactly as written: every long-running command works
+with them, and its `/readyz` fails naming the table when one is missing.
+
+The roles come from the README's own SQL (tests/support/grants.py); the test server is the
+embedded PostgreSQL, where the suite connects as a superuser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import httpx
+import pytest
+from nats.aio.client import Client
+
+from charge_worker import privileges
+from charge_worker.errors import SettingsError
+from charge_worker.migrate import migrate
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings
+from tests.support.grants import Roles, readme_roles
+from tests.support.harness import eventually, provisioned, running_worker, settings_for
+from tests.support.webhooks import (
+    add_row,
+    event,
+    ledger,
+    running_receiver,
+    settled,
+    status_of,
+    webhook_settings,
+)
+
+
+@pytest.fixture
+async def roles(pg_admin_url: str) -> AsyncIterator[Roles]:
+    roles = await readme_roles(pg_admin_url, migrate)
+    yield roles
+    await roles.drop()
+
+
+@pytest.fixture
+async def owner(roles: Roles) -> AsyncIterator[asyncpg.Connection]:
+    """The schema owner's connection: it writes what the billing system would."""
+    conn = await asyncpg.connect(roles.owner_url)
+    yield conn
+    await conn.close()
+
+
+async def readyz(url: str) -> httpx.Response:
+    async with httpx.AsyncClient() as client:
+        return await client.get(f"{url}/readyz")
+
+
+async def test_with_the_readme_grants_the_receiver_journals_and_applies_deliveries(
+    roles: Roles, owner: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    await add_row(owner, 1, "succeeded", charge_id="ch_1")
+    refund = event("ch_1", "charge.refunded", revision=2)
+    async with running_receiver(webhook_settings(roles.worker_url, gateway_sim.url)) as r:
+        ready = await readyz(r.url)
+        answer = await r.post(refund)
+        await eventually(lambda: settled(owner, refund["id"]), "the refund applied")
+        purged = await r.running.processor.purge()  # needs DELETE
+    assert (ready.status_code, ready.text) == (200, "ready")
+    assert answer.status_code == 200
+    assert await status_of(owner, refund["id"]) == "applied"
+    assert (await ledger(owner, 1))["status"] == "refunded"
+    assert purged == 0
+
+
+async def test_the_receivers_readyz_names_the_table_of_a_missing_grant(
+    roles: Roles, owner: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    await add_row(owner, 2, "succeeded", charge_id="ch_2")
+    await roles.as_owner("REVOKE DELETE ON webhook_inbox FROM charge_worker")
+    refund = event("ch_2", "charge.refunded", revision=2, order_id=2)
+    async with running_receiver(webhook_settings(roles.worker_url, gateway_sim.url)) as r:
+        ready = await readyz(r.url)
+        assert (await r.post(refund)).status_code == 200
+        # the purge fails, and the processor goes on applying events all the same
+        await eventually(lambda: settled(owner, refund["id"]), "the refund applied")
+    assert ready.status_code == 503
+    assert ready.text == "the database role lacks DELETE on webhook_inbox"
+    assert (await ledger(owner, 2))["status"] == "refunded"
+
+
+async def test_the_workers_readyz_names_the_table_of_a_missing_grant(
+    roles: Roles,
+    nats_settings: NatsSettings,
+    nc: Client,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
+    settings = settings_for(nats_settings, roles.worker_url, gateway_sim.url, scoring_sim.url)
+    await provisioned(nc, settings)
+    async with running_worker(settings) as worker:
+        assert (await readyz(worker.http_url)).text == "ready"
+        await roles.as_owner("REVOKE INSERT ON deferred_scoring_checks FROM charge_worker")
+        lacking = await readyz(worker.http_url)
+    assert lacking.status_code == 503
+    assert lacking.text == "the database role lacks INSERT on deferred_scoring_checks"
+
+
+async def test_the_readme_grants_give_every_command_what_it_needs(roles: Roles) -> None:
+    conn = await asyncpg.connect(roles.worker_url)
+    try:
+        for needs in privileges.EVERY_COMMAND:
+            assert await privileges.missing(conn, needs) == [], needs.command
+            await privileges.require(conn, needs)
+    finally:
+        await conn.close()
+
+
+async def test_a_command_without_a_grant_fails_at_start_naming_it(roles: Roles) -> None:
+    await roles.as_owner(
+        "REVOKE UPDATE ON subscriptions FROM charge_worker;"
+        " REVOKE USAGE ON SEQUENCE charge_events_id_seq FROM charge_worker"
+    )
+    conn = await asyncpg.connect(roles.worker_url)
+    try:
+        with pytest.raises(SettingsError) as raised:
+            await privileges.require(conn, privileges.PRODUCE)
+    finally:
+        await conn.close()
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("DATABASE_URL: the role lacks UPDATE on subscriptions; ")
+    assert "USAGE on the sequence of charge_events.id" in message
+    assert "`produce`" in message
+
+
+async def test_before_the_migrations_the_tables_are_named_missing(empty_database_url: str) -> None:
+    conn = await asyncpg.connect(empty_database_url)
+    try:
+        lacking = await privileges.missing(conn, privileges.WEBHOOKS)
+    finally:
+        await conn.close()
+    assert lacking[0] == "table webhook_inbox (it does not exist: run charge-worker migrate)"
+    assert len(lacking) == 3  # webhook_inbox, charge_attempts, charge_events, once each

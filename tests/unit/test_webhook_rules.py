@@ -1,0 +1,109 @@
+"""The webhook rules as a table: what one snapshot does to one ledger row."""
+
+from __future__ import annotations
+
+import pytest
+
+from charge_worker.webhooks.rules import (
+    Apply,
+    Decision,
+    Review,
+    Row,
+    Snapshot,
+    Stale,
+    Unchanged,
+    Wait,
+    decide,
+    state_of,
+)
+
+SUCCEEDED = Row("succeeded", "ch_1", 1, lease_free=True)
+PENDING = Row("pending", None, None, lease_free=True)
+
+
+def snapshot(
+    kind: str = "charge.succeeded",
+    status: str = "succeeded",
+    *,
+    revision: int = 2,
+    charge_id: str = "ch_1",
+    refunded: bool = False,
+    amount_refunded: int = 0,
+) -> Snapshot:
+    return Snapshot(kind, charge_id, revision, status, refunded, amount_refunded)
+
+
+REFUND = snapshot("charge.refunded", refunded=True, amount_refunded=99000)
+OLD_REFUND = snapshot("charge.refunded", "refunded")  # before the contract change
+
+CASES: dict[str, tuple[Snapshot, Row | None, dict[str, int], type[Decision], str | None]] = {
+    "a refund (refunded true) of a succeeded row": (REFUND, SUCCEEDED, {}, Apply, "refunded"),
+    "a refund in the old shape": (OLD_REFUND, SUCCEEDED, {}, Apply, "refunded"),
+    "a refund of a charge not recorded yet waits": (REFUND, PENDING, {}, Wait, None),
+    "a lost answer, newest known": (snapshot(), PENDING, {}, Apply, "succeeded"),
+    "an older snapshot than one journaled": (
+        snapshot("charge.failed", "failed", revision=1),
+        PENDING,
+        {"newest_known": 2},
+        Stale,
+        None,
+    ),
+    "an older snapshot with no ledger row yet": (
+        snapshot(revision=1),
+        None,
+        {"newest_known": 2},
+        Stale,
+        None,
+    ),
+    "the same revision journaled twice is no newer": (
+        snapshot(),
+        PENDING,
+        {"newest_known": 2},
+        Apply,
+        "succeeded",
+    ),
+    "a partial refund": (
+        snapshot("charge.refunded", amount_refunded=500),
+        SUCCEEDED,
+        {},
+        Review,
+        None,
+    ),
+    "a refund of a second charge for the key": (
+        snapshot("charge.refunded", refunded=True, charge_id="ch_2"),
+        SUCCEEDED,
+        {},
+        Unchanged,
+        None,
+    ),
+    "an unknown status": (snapshot(status="disputed"), SUCCEEDED, {}, Review, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decision(case: str) -> None:
+    event, row, journal, kind, status = CASES[case]
+    decision = decide(event, row, **journal)
+    assert isinstance(decision, kind), decision
+    if isinstance(decision, Apply):
+        assert decision.status == status
+
+
+def test_a_lookup_confirms_a_refund_as_a_state() -> None:
+    # the lookup's charge says succeeded + refunded: recorded as refunded, not left waiting
+    state = state_of("succeeded", refunded=True)
+    decision = decide(snapshot("charge.refunded", state), PENDING, confirmed=True)
+    assert decision == Apply("refunded", False, "pending -> refunded")
+
+
+@pytest.mark.parametrize(
+    ("status", "refunded", "state"),
+    [
+        ("succeeded", False, "succeeded"),
+        ("succeeded", True, "refunded"),
+        ("refunded", False, "refunded"),
+        ("failed", False, "failed"),
+    ],
+)
+def test_state_of(status: str, refunded: bool, state: str) -> None:
+    assert state_of(status, refunded=refunded) == state
