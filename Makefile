@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/charge-worker demo
+	$(BIN)/charge-worker demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -334,8 +334,15 @@ def sandbox_scoring(host: str, port: int, incident: bool, config_json: str | Non
 
 @main.command()
 @click.option("--keep", is_flag=True, help="Leave the servers running until Ctrl-C.")
-def demo(keep: bool) -> None:
+@click.option(
+    "--nats-cluster",
+    type=click.Choice(["1", "3"]),
+    default="1",
+    show_default=True,
+    help="3: an embedded 3-node JetStream cluster, streams replicated 3 times.",
+)
+def demo(keep: bool, nats_cluster: str) -> None:
     """Start everything embedded, publish sample due charges and show what happened."""
     from charge_worker.sandbox.demo import run_demo  # noqa: PLC0415
 
-    run_demo(keep=keep)
+    run_demo(keep=keep, nats_cluster=int(nats_cluster))

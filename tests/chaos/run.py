@@ -104,7 +104,8 @@ async def run_scenario(
         chronicle,
         gateway=GatewayConfig(seed=seed, **scenario.gateway),
         scoring=ScoringConfig(seed=seed, **scenario.scoring),
-        overrides=scenario.settings,
+        overrides=scenario.settings
+        | (scenario.full_settings if size > scenario.quick_size else {}),
     ) as system:
         nc = await connect_direct(system)
         try:

@@ -43,6 +43,7 @@ from charge_worker.sandbox.demo.workers import (
 )
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
 from charge_worker.sandbox.gateway.app import build_gateway_app
+from charge_worker.sandbox.nats_cluster import NatsCluster
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY, ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
@@ -63,13 +64,14 @@ def _step(text: str) -> None:
 
 
 @contextlib.contextmanager
-def _server(env_name: str, server: NatsServer | PostgresServer) -> Iterator[str]:
+def _server(env_name: str, server: NatsServer | NatsCluster | PostgresServer) -> Iterator[str]:
     if url := os.environ.get(env_name):
         click.echo(f"    using {env_name}={without_credentials(url)}")
         yield url
         return
     with server:
-        click.echo(f"    started embedded {server.name} on {server.url} (data in {server.root})")
+        what = "3-node JetStream cluster" if isinstance(server, NatsCluster) else server.name
+        click.echo(f"    started embedded {what} on {server.url} (data in {server.root})")
         yield server.url
 
 
@@ -222,12 +224,16 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
         return problems
 
 
-def run_demo(*, keep: bool = False) -> None:
-    """Run the demo from start to end, printing each step; `DemoFailed` if something broke."""
+def run_demo(*, keep: bool = False, nats_cluster: int = 1) -> None:
+    """Run the demo from start to end, printing each step; `DemoFailed` if something broke.
+
+    `nats_cluster=3`: on an embedded 3-node JetStream cluster, the streams replicated 3 times.
+    """
     _step("starting NATS JetStream, PostgreSQL and the simulators")
     external = bool(os.environ.get("NATS_URL") or os.environ.get("DATABASE_URL"))
+    nats = NatsCluster() if nats_cluster == 3 else NatsServer()
     with (
-        _server("NATS_URL", NatsServer()) as nats_url,
+        _server("NATS_URL", nats) as nats_url,
         _server("DATABASE_URL", PostgresServer()) as database_url,
         ServedApp(build_gateway_app()) as gateway,
         ServedApp(build_scoring_app(_scoring_config())) as scoring,
@@ -237,6 +243,9 @@ def run_demo(*, keep: bool = False) -> None:
         settings = demo_settings(
             nats_url, database_url, gateway.url, scoring.url, external=external
         )
+        if nats_cluster == 3:
+            replicated = settings.nats.model_copy(update={"stream_replicas": 3})
+            settings = settings.model_copy(update={"nats": replicated})
         problems = event_loop.run(_story(settings, external=external, keep=keep))
         if problems:
             click.secho(f"==> the demo found problems: {'; '.join(problems)}", fg="red", bold=True)
