@@ -43,6 +43,7 @@ from charge_worker.errors import (
 )
 from charge_worker.http import build_breaker, build_client, open_for_s
 from charge_worker.messages import ChargeDue
+from charge_worker.ratelimit import RateLimiter
 from charge_worker.settings import GatewaySettings, require
 
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -125,7 +126,11 @@ class GatewayClient:
     """One shared client per process; `transport` is for unit tests only."""
 
     def __init__(
-        self, cfg: GatewaySettings, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        cfg: GatewaySettings,
+        *,
+        limiter: RateLimiter | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
         require(api_key, "GATEWAY_API_KEY")
@@ -140,6 +145,8 @@ class GatewayClient:
         self.breaker = build_breaker(
             "gateway", fail_max=cfg.gateway_breaker_failures, reset_s=cfg.gateway_breaker_reset_s
         )
+        # the fleet's request rate: each request spends a token (none while the rate is off)
+        self.limiter = limiter or RateLimiter(None, rate_per_s=0)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -234,6 +241,7 @@ class GatewayClient:
         return HistoryPage(charges, bool(data.get("has_more")))
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        await self.limiter.spend()
         try:
             with self.breaker.calling():
                 try:

@@ -54,6 +54,7 @@ class NatsSettings(_EnvGroup):
     max_ack_pending: int = Field(1000, ge=1)
     duplicate_window_s: float = Field(7200.0, gt=0)
     publish_retry_horizon_s: float = Field(600.0, ge=0)
+    stream_max_age_s: float = Field(7 * 86400.0, ge=86400.0)
     dlq_max_age_s: float = Field(30 * 86400.0, gt=0)
     stream_replicas: int = Field(1, ge=1, le=5)
 
@@ -80,6 +81,7 @@ class DbSettings(_EnvGroup):
     db_pool_min: int = Field(1, ge=0)
     db_pool_max: int = Field(10, ge=1)
     db_command_timeout_s: float = Field(10.0, gt=0)
+    events_retention_months: int = Field(13, ge=2)  # `maintain` drops charge_events past it
 
 
 class WorkerSettings(_EnvGroup):
@@ -115,13 +117,27 @@ class GatewaySettings(_EnvGroup):
     gateway_breaker_failures: int = Field(5, ge=1)
     gateway_breaker_reset_s: float = Field(30.0, gt=0)
     gateway_max_connections: int = Field(100, ge=1)
+    gateway_rate_limit: float = Field(0.0, ge=0)  # requests per second, the whole fleet; 0: off
 
 
 class ReconcileSettings(_EnvGroup):
-    """The reconcile sweeps (a CronJob, every 15 min by default)."""
+    """The reconcile sweeps (a CronJob, every 15 min by default; `--full` daily)."""
 
     reconcile_window_s: float = Field(48 * 3600.0, gt=0)
     reconcile_quiet_s: float = Field(900.0, gt=0)
+    # each run re-reads this much history before its checkpoint: the gateway's clock skew
+    # and listing lag
+    reconcile_overlap_s: float = Field(60.0, ge=0)
+
+    @_model_validator(mode="after")
+    def _overlap_inside_window(self) -> Self:
+        if self.reconcile_overlap_s >= self.reconcile_window_s:
+            raise _Rule(
+                "CHARGE_WORKER_RECONCILE_OVERLAP_S",
+                f"is {self.reconcile_overlap_s:g}s but must be shorter than "
+                f"CHARGE_WORKER_RECONCILE_WINDOW_S ({self.reconcile_window_s:g}s)",
+            )
+        return self
 
 
 class WebhookSettings(_EnvGroup):
@@ -240,6 +256,12 @@ class Settings(BaseModel):
                 "CHARGE_WORKER_DUPLICATE_WINDOW_S",
                 f"is {nats.duplicate_window_s:g}s, shorter than the producer's retry horizon "
                 f"CHARGE_WORKER_PUBLISH_RETRY_HORIZON_S ({nats.publish_retry_horizon_s:g}s)",
+            )
+        if nats.duplicate_window_s > nats.stream_max_age_s:
+            raise _Rule(
+                "CHARGE_WORKER_DUPLICATE_WINDOW_S",
+                f"is {nats.duplicate_window_s:g}s, longer than the stream keeps a message "
+                f"(CHARGE_WORKER_STREAM_MAX_AGE_S, {nats.stream_max_age_s:g}s)",
             )
         if self.db.db_pool_max < self.db.db_pool_min:
             raise _Rule("CHARGE_WORKER_DB_POOL_MAX", "must be >= CHARGE_WORKER_DB_POOL_MIN")

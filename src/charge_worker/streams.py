@@ -73,6 +73,9 @@ def charges_stream(cfg: NatsSettings) -> StreamConfig:
         subjects=[cfg.subject],
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
+        # a bound on the store: longer than any message may wait (a month start's queue,
+        # an outage, every redelivery); one older than it is re-published by reconcile
+        max_age=cfg.stream_max_age_s,
         duplicate_window=cfg.duplicate_window_s,
         num_replicas=cfg.stream_replicas,
     )

@@ -181,3 +181,32 @@ def test_badly_named_file_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "add_table.sql").write_text("SELECT 1;")
     with pytest.raises(MigrationError, match=r"NNNN_lower_snake\.sql"):
         discover(tmp_path)
+
+
+async def test_partitioning_charge_events_keeps_the_stories_written_before(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    """0008 turns charge_events into monthly partitions under a live database: the events
+    already written stay readable, in order, and new ones keep their ids' order."""
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    for migration in discover(default_directory()):
+        if migration.version < "0008":
+            shutil.copy(migration.path, earlier / migration.path.name)
+    await migrate(empty_database_url, earlier)
+    conn = await asyncpg.connect(empty_database_url)
+    try:
+        insert = (
+            "INSERT INTO charge_events (order_id, billing_period, kind, actor)"
+            " VALUES (7, '2026-12-01', $1, 'tests')"
+        )
+        await conn.execute(insert, "scheduled")
+        await migrate(empty_database_url)
+        await conn.execute(insert, "published")
+        story = await conn.fetch(
+            "SELECT id, kind, tableoid::regclass::text AS part FROM charge_events ORDER BY id"
+        )
+    finally:
+        await conn.close()
+    assert [r["kind"] for r in story] == ["scheduled", "published"]
+    assert story[0]["part"] == "charge_events_before"

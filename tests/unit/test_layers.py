@@ -19,7 +19,9 @@ FLOOR = {"settings", "errors", "logs", "event_loop", "migrate", "display"}
 SHARED = {
     "messages",
     "periods",
+    "partitions",
     "privileges",
+    "ratelimit",
     "database",
     "ledger",
     "events",

@@ -119,15 +119,15 @@ class RouteProxy:
         finally:
             link.cut()
 
-    def enforce(self) -> None:
-        """Cut the links `blocked` now refuses (after an isolation)."""
+    def cut_all(self) -> None:
+        """Cut every link (after an isolation): the servers dial again at once, and each new
+        link is checked from its first INFO, whoever opened it."""
 
         def cut() -> None:
             for link in list(self.links):
-                if self.blocked(link.source, self.target):
-                    link.cut()
+                link.cut()
 
-        self.loop.call_soon_threadsafe(cut)
+        asyncio.run_coroutine_threadsafe(_run(cut), self.loop).result(10)
 
     def close(self) -> None:
         """Stop serving, cut every link, and close the proxy's loop and thread."""
@@ -145,6 +145,10 @@ class RouteProxy:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.server.wait_closed()
+
+
+async def _run(call: Callable[[], None]) -> None:
+    call()
 
 
 class NatsNode(ServerProcess):
@@ -283,7 +287,7 @@ class NatsCluster:
         """Cut every route of `name`, both ways, until `heal()`."""
         self.isolated.add(name)
         for proxy in self.proxies.values():
-            proxy.enforce()
+            proxy.cut_all()
 
     def heal(self) -> None:
         self.isolated.clear()

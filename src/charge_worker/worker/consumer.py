@@ -43,6 +43,7 @@ from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
 log = structlog.get_logger(__name__)
 RECONNECT_PAUSE_S = 0.5
+THROTTLED_PAUSE_S = 0.05
 
 
 class Consumer:
@@ -85,6 +86,12 @@ class Consumer:
                     await asyncio.wait(
                         self.in_flight, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
                     )
+                    continue
+                # fetch no more than the fleet's gateway rate lets us send: the rest waits
+                # in the stream and spends no delivery
+                free = await self.gateway.limiter.reserve(free)
+                if free <= 0:
+                    await asyncio.sleep(THROTTLED_PAUSE_S)
                     continue
                 try:
                     msgs = await sub.fetch(free, timeout=self.settings.worker.fetch_wait_s)

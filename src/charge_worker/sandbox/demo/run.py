@@ -3,10 +3,10 @@
 Starts (unless NATS_URL / DATABASE_URL point elsewhere) an embedded nats-server and
 PostgreSQL on free loopback ports, the gateway simulator and the scoring simulator with the
 incident's latency shape (a 6-8 s tail, longer than the demo's 5 s AckWait), migrates,
-provisions, publishes sample due charges with every kind of trouble (`demo_samples.py`),
-runs two `charge-worker run` processes (`demo_workers.py`) until every charge is final and
-nothing is left unacked (`demo_progress.py`), stops them with SIGTERM and prints what
-happened (`demo_report.py`): charges per key at the gateway, the ledger, the dead letters,
+provisions, publishes sample due charges with every kind of trouble (`samples.py`),
+runs two `charge-worker run` processes (`workers.py`) until every charge is final and
+nothing is left unacked (`progress.py`), stops them with SIGTERM and prints what
+happened (`report.py`): charges per key at the gateway, the ledger, the dead letters,
 the workers' metrics. Raises `DemoFailed` (exit 1) when an expectation broke.
 """
 

@@ -23,19 +23,21 @@ Rules:
   key_reused`; the key still executing: `409 request_in_progress`. Invalid requests and
   injected errors are not kept; a key is kept `key_retention_s` after first use.
 
-Knobs (`GatewayConfig`, in `gateway_config.py`; also `POST /_sim/config` at runtime):
+Knobs (`GatewayConfig`, in `config.py`; also `POST /_sim/config` at runtime):
 
 * `api_key` (`sk_test_sandbox`); `seed` (`None`: random);
 * `latency`: a `LatencyModel` (default 0 s) for every `/v1` request; for a charge it is the
   time the key stays in progress;
 * `error_rates`: `{status: probability}` for `429` and `5xx`, drawn for every `/v1` request
   after auth and before anything is recorded; `429` carries `Retry-After: retry_after_s`;
+* `rate_limit_per_s` (`None`: none): the account's request rate, as a provider's limit: a
+  token bucket of one second's worth; a `/v1` request over it gets `429` (`Retry-After`);
 * `lost_answer_rate`, `lost_answer_mode`: a new charge (or decline) is recorded and its answer
   kept for replay, then `"timeout"` waits `lost_answer_delay_s` (30 s; cut short when the
   client hangs up) before answering, `"5xx"` answers `502`: an unknown outcome;
 * `idempotency_enabled` (true): false charges every request anew;
 * `key_retention_s` (86400);
-* webhooks (`webhook_delivery.py`): `webhook_url` (`None`: none are sent), `webhook_secret`
+* webhooks (`webhooks.py`): `webhook_url` (`None`: none are sent), `webhook_secret`
   (`whsec_…`), `webhook_retry_schedule_s` (the contract's), `webhook_time_scale` (1),
   `webhook_timeout_s` (5), `webhook_reorder` and `webhook_duplicate` (probabilities, 0),
   `webhook_reorder_delay_s` (1: the longest an event is held back to be overtaken).
@@ -44,7 +46,8 @@ Endpoints: `POST /v1/charges`, `GET /v1/charges` (`order_id` + `billing_period`:
 match; and/or paging by `created_gte`, `created_lt`, `limit` 1..100 default 10,
 `starting_after`; oldest first, `has_more`), `POST /v1/refunds` (`charge`, `reason`); and,
 without auth, `GET /_sim/charges` (every charge with its `idempotency_key`), `GET /_sim/stats`
-(requests by endpoint and status, injected errors, lost answers), `POST /_sim/disputes`
+(requests by endpoint, status and second, injected errors, 429s of the rate limit, lost
+answers), `POST /_sim/disputes`
 (`{"charge": id}`: the cardholder disputes a succeeded charge not refunded),
 `GET /_sim/webhooks` (every webhook delivery and its attempts) and the control routes of
 `simulator.py` (`/_sim/config`, `/_sim/reset`).
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -96,7 +100,7 @@ from charge_worker.sandbox.gateway.state import (
 from charge_worker.sandbox.gateway.webhooks import WebhookDelivery
 from charge_worker.sandbox.simulator import Simulator, pause, read_json
 
-__all__ = [  # GatewayConfig lives in gateway_config.py; callers import it from here
+__all__ = [  # GatewayConfig lives in config.py; callers import it from here
     "DECLINE_PREFIX",
     "ChargeEvents",
     "GatewayConfig",
@@ -146,6 +150,9 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         self.by_status: Counter[str] = Counter()
         self.injected_errors = 0
         self.lost_answers = 0
+        self.rate_limited = 0
+        self.by_second: Counter[int] = Counter()  # /v1 requests per unix second
+        self.bucket = (math.inf, time.monotonic())  # tokens (full: capped at use), when counted
         self.webhooks.clear()
 
     def stats(self) -> dict[str, Any]:
@@ -155,6 +162,8 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             "by_endpoint": dict(self.by_endpoint),
             "by_status": dict(self.by_status),
             "injected_errors": self.injected_errors,
+            "rate_limited": self.rate_limited,
+            "per_second": {str(second): n for second, n in sorted(self.by_second.items())},
             "lost_answers": self.lost_answers,
             "in_flight": self.keys.in_flight(),
             "charges": len(self.book.charges),
@@ -181,6 +190,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 
     def _counted(self, endpoint: str, handler: Handler) -> Handler:
         async def counted(request: Request) -> Response:
+            self.by_second[int(time.time())] += 1
             response = await handler(request)
             self.by_endpoint[endpoint] += 1
             self.by_status[str(response.status_code)] += 1
@@ -283,6 +293,12 @@ class GatewaySimulator(Simulator[GatewayConfig]):
                 "Invalid API key provided.",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        if not self._within_rate():
+            self.rate_limited += 1
+            retry_after = {"Retry-After": str(self.config.retry_after_s)}
+            return api_error(
+                429, "rate_limit_error", "rate_limit", "Too many requests.", headers=retry_after
+            )
         status = self._draw_error()
         if status is None:
             return None
@@ -293,6 +309,21 @@ class GatewaySimulator(Simulator[GatewayConfig]):
                 429, "rate_limit_error", "rate_limit", "Too many requests.", headers=retry_after
             )
         return api_error(status, "api_error", "simulated_error", f"Simulated {status}.")
+
+    def _within_rate(self) -> bool:
+        """A token bucket of one second's worth at `rate_limit_per_s`, as a provider's
+        per-account limit: False when this request is over it."""
+        rate = self.config.rate_limit_per_s
+        if rate is None:
+            return True
+        tokens, counted = self.bucket
+        now = time.monotonic()
+        tokens = min(max(rate, 1.0), tokens + (now - counted) * rate)
+        if tokens < 1:
+            self.bucket = (tokens, now)
+            return False
+        self.bucket = (tokens - 1, now)
+        return True
 
     def _draw_error(self) -> int | None:
         rates = self.config.error_rates

@@ -24,6 +24,7 @@ class GatewayConfig(BaseModel):
     latency: LatencyModel = LatencyModel()
     error_rates: dict[int, float] = Field(default_factory=dict)
     retry_after_s: int = Field(1, ge=0)
+    rate_limit_per_s: float | None = Field(None, gt=0)  # the account's request rate
     lost_answer_rate: float = Field(0.0, ge=0, le=1)
     lost_answer_mode: Literal["timeout", "5xx"] = "timeout"
     lost_answer_delay_s: float = Field(30.0, ge=0)

@@ -6,6 +6,10 @@ for the charge objects), so everything here is deterministic and unit-testable.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -117,9 +121,14 @@ class _KeyRecord:
 
 @dataclass
 class IdempotencyKeys:
-    """Idempotency keys with the responses they produced, each kept for a retention period."""
+    """Idempotency keys with the responses they produced, each kept for a retention period.
+
+    Expiry is a heap of (expires_at, key): each request pops what has expired, O(log n),
+    instead of scanning every key kept (the simulator's cost per charge grew with them).
+    """
 
     _records: dict[str, _KeyRecord] = field(default_factory=dict)
+    _expiry: list[tuple[float, str]] = field(default_factory=list)
 
     def claim(self, key: str, fingerprint: str, *, now: float, retention_s: float) -> KeyClaim:
         """Decide what a request with `key` and these parameters (`fingerprint`) gets."""
@@ -135,9 +144,10 @@ class IdempotencyKeys:
         return Replay(record.response)
 
     def complete(self, key: str, response: StoredResponse) -> None:
-        """Keep the response of a claimed key for replay."""
+        """Keep the response of a claimed key for replay, until it expires."""
         if (record := self._records.get(key)) is not None:
             record.response = response
+            heapq.heappush(self._expiry, (record.expires_at, key))
 
     def release(self, key: str) -> None:
         """Forget a claim whose request did not finish, so the key can be retried."""
@@ -150,14 +160,13 @@ class IdempotencyKeys:
         return sum(1 for record in self._records.values() if record.response is None)
 
     def _forget_expired(self, now: float) -> None:
-        # A key still executing is kept: forgetting it would let a retry charge twice.
-        expired = [
-            key
-            for key, record in self._records.items()
-            if record.response is not None and record.expires_at <= now
-        ]
-        for key in expired:
-            del self._records[key]
+        # A key is on the heap once it has a response: one still executing is kept, since
+        # forgetting it would let a retry charge twice.
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, key = heapq.heappop(self._expiry)
+            record = self._records.get(key)
+            if record is not None and record.expires_at == expires_at:
+                del self._records[key]
 
 
 class RefundRefused(Exception):
@@ -184,17 +193,27 @@ class ChargeQuery:
 
 @dataclass
 class ChargeBook:
-    """Every charge and refund, in the order they were made."""
+    """Every charge and refund, in the order they were made, indexed: a lookup by key reads
+    the key's charges, a history page starts where its window does (charges are made in
+    `created` order), so neither costs more as the book grows."""
 
     charges: list[Charge] = field(default_factory=list)
     refunds: list[Refund] = field(default_factory=list)
     _by_id: dict[str, Charge] = field(default_factory=dict)
+    _by_key: dict[tuple[str, str], list[Charge]] = field(default_factory=dict)
+    _created: list[int] = field(default_factory=list)  # nondecreasing while `_in_order`
+    _in_order: bool = True
 
     def add(self, charge: Charge) -> Charge:
         """Record a charge; it is ordered after every earlier one."""
         charge.seq = len(self.charges)
+        if self._created and charge.created < self._created[-1]:
+            self._in_order = False  # a clock set back: history pages scan from the cursor
         self.charges.append(charge)
+        self._created.append(charge.created)
         self._by_id[charge.id] = charge
+        key = (charge.metadata.get("order_id", ""), charge.metadata.get("billing_period", ""))
+        self._by_key.setdefault(key, []).append(charge)
         return charge
 
     def get(self, charge_id: str) -> Charge | None:
@@ -207,10 +226,27 @@ class ChargeBook:
         Raises `KeyError` when `starting_after` names no charge.
         """
         after = -1 if query.starting_after is None else self._by_id[query.starting_after].seq
-        matches = [c for c in self.charges[after + 1 :] if _matches(c, query)]
-        if query.limit is None:
-            return matches, False
-        return matches[: query.limit], len(matches) > query.limit
+        if query.order_id is not None and query.billing_period is not None:
+            pool: Iterable[Charge] = self._by_key.get((query.order_id, query.billing_period), [])
+            pool = (c for c in pool if c.seq > after)
+        else:
+            start = after + 1
+            if self._in_order and query.created_gte is not None:
+                start = max(start, bisect.bisect_left(self._created, query.created_gte))
+            pool = itertools.islice(self.charges, start, None)
+        matches: list[Charge] = []
+        for charge in pool:
+            if (
+                query.created_lt is not None
+                and self._in_order
+                and charge.created >= query.created_lt
+            ):
+                break  # every later charge is later still
+            if _matches(charge, query):
+                matches.append(charge)
+                if query.limit is not None and len(matches) > query.limit:
+                    return matches[: query.limit], True
+        return matches, False
 
     def refund(self, charge_id: str, refund_id: str, created: int) -> Refund:
         """Refund a charge in full, or raise `RefundRefused`."""

@@ -1,0 +1,58 @@
+"""The fleet's gateway rate: one token bucket in PostgreSQL, shared by every process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from charge_worker.ratelimit import RateLimiter
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    created = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
+    assert created is not None
+    yield created
+    await created.close()
+
+
+async def test_off_it_grants_everything_and_touches_nothing(pool: asyncpg.Pool) -> None:
+    limiter = RateLimiter(pool, rate_per_s=0)
+    assert await limiter.reserve(500) == 500
+    await limiter.spend()
+    assert await pool.fetchval("SELECT count(*) FROM rate_buckets") == 0
+
+
+async def test_processes_share_one_rate(pool: asyncpg.Pool) -> None:
+    """Two processes taking as fast as they can get no more, together, than the rate over
+    the time they took plus the one second's worth the bucket starts with."""
+    rate = 40.0
+    fleet = [RateLimiter(pool, rate_per_s=rate) for _ in range(2)]
+    started = time.monotonic()
+    spent = 0
+
+    async def drain(limiter: RateLimiter) -> None:
+        nonlocal spent
+        while time.monotonic() - started < 1.5:
+            await limiter.spend()
+            spent += 1
+
+    await asyncio.gather(*(drain(limiter) for limiter in fleet))
+    elapsed = time.monotonic() - started
+    assert spent <= rate * elapsed + rate + 1
+    assert spent >= rate  # the bucket was full at the start: at least that went through
+
+
+async def test_a_reservation_is_what_the_bucket_holds_and_is_spent_first(
+    pool: asyncpg.Pool,
+) -> None:
+    limiter = RateLimiter(pool, rate_per_s=0.2)  # one token every 5 s
+    assert await limiter.reserve(25) == 1  # the bucket holds at least one token
+    other = RateLimiter(pool, rate_per_s=0.2)
+    assert await other.reserve(5) == 0  # the fleet's token is held by the first
+    await limiter.spend()  # the reserved one: no wait
+    assert limiter.tokens == 0
