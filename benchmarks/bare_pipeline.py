@@ -155,7 +155,8 @@ class BarePipeline:
         await self.pool.execute(MARK, order_id, period, charge_id)
 
     async def run(self, stop: asyncio.Event) -> None:
-        nc = await nats.connect(self.config.nats_url, name=OWNER)
+        servers = [url.strip() for url in self.config.nats_url.split(",")]
+        nc = await nats.connect(servers=servers, name=OWNER)
         sub = await nc.jetstream().pull_subscribe_bind(
             durable=self.config.durable, stream=self.config.stream
         )

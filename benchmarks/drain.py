@@ -94,6 +94,7 @@ def worker_settings(stack: Stack, database_url: str, **worker: Any) -> Settings:
         nats=_defaults_only(
             NatsSettings,
             url=stack.nats_url,
+            stream_replicas=stack.nats_cluster,
             stream=f"BENCH_{tag}",
             subject=f"bench.{tag}.charges.due",
             dlq_stream=f"BENCH_{tag}_DLQ",

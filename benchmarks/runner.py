@@ -78,6 +78,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "latest.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the logs directory")
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="3: every case on an embedded 3-node JetStream cluster, streams replicated 3x",
+    )
     return parser.parse_args(argv)
 
 
@@ -282,7 +289,7 @@ def main(argv: list[str]) -> int:
     print(f"logs in {log_dir}", flush=True)
     done = False
     try:
-        with Stack(log_dir) as stack:
+        with Stack(log_dir, nats_cluster=args.nats_cluster) as stack:
             code = asyncio.run(_main(args, stack, log_dir, t0))
         done = True
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -26,6 +26,7 @@ from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer, free_port
 from charge_worker.sandbox.gateway.app import GatewayConfig
 from charge_worker.sandbox.latency import LatencyModel
+from charge_worker.sandbox.nats_cluster import NatsCluster
 from charge_worker.sandbox.scoring import ScoringConfig
 
 SIM_START_TIMEOUT_S = 30.0
@@ -97,9 +98,10 @@ class Simulator:
 class Stack:
     """Everything the cases share; a context manager that stops all it started."""
 
-    def __init__(self, work_dir: Path) -> None:
+    def __init__(self, work_dir: Path, *, nats_cluster: int = 1) -> None:
         self.work_dir = work_dir
-        self.nats: NatsServer | None = None
+        self.nats_cluster = nats_cluster  # 3: an embedded 3-node JetStream cluster, R3 streams
+        self.nats: NatsServer | NatsCluster | None = None
         self.postgres: PostgresServer | None = None
         self.nats_url = os.environ.get("NATS_URL", "")
         self.admin_url = os.environ.get("DATABASE_URL", "")
@@ -121,7 +123,7 @@ class Stack:
 
     def start(self) -> None:
         if not self.nats_url:
-            self.nats = NatsServer().start()
+            self.nats = (NatsCluster() if self.nats_cluster == 3 else NatsServer()).start()
             self.nats_url = self.nats.url
         if not self.admin_url:
             self.postgres = PostgresServer().start()
@@ -180,7 +182,10 @@ class Stack:
         }
         if self.postgres is not None and self.postgres.proc is not None:
             groups["postgres"] = [self.postgres.proc.pid]
-        if self.nats is not None and self.nats.proc is not None:
+        if isinstance(self.nats, NatsCluster):
+            nodes = self.nats.nodes.values()
+            groups["nats-server"] = [node.proc.pid for node in nodes if node.proc is not None]
+        elif self.nats is not None and self.nats.proc is not None:
             groups["nats-server"] = [self.nats.proc.pid]
         groups["harness"] = [os.getpid()]
         return groups

@@ -256,4 +256,4 @@ KILL_STREAM_LEADER = Nemesis("kill -9 stream leader", 12.0, kill_stream_leader)
 KILL_CONSUMER_LEADER = Nemesis("kill -9 consumer leader", 12.0, kill_consumer_leader)
 ROLLING_RESTART = Nemesis("rolling restart", 20.0, rolling_restart)
 PARTITION = Nemesis("partition one server", 20.0, partition)
-FAILOVER = Nemesis("postgres failover", 4.0, failover, at_most=1)
+FAILOVER = Nemesis("postgres failover", 40.0, failover, at_most=1)  # strikes 4-12 s in

@@ -1,0 +1,443 @@
+"""The month-start case: a million due charges on the 1st, and nothing multiplied.
+
+Three parts, each on a fresh database and streams:
+
+1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce` as a
+   process, rows per second and its peak RSS;
+2. **drain**: two `charge-worker run` processes drain the backlog while `charge-worker
+   reconcile` runs on a short schedule with a short quiet time: no message still queued
+   may be re-published; then what each store holds per charge. With `rate_limit`, the
+   fleet is limited (`CHARGE_WORKER_GATEWAY_RATE_LIMIT`) and so is the gateway simulator
+   (`rate_limit_per_s`): the per-second rate at the gateway and the 429s it answered;
+3. **steady reconcile**: `history` charges (default 1,000,000) in the gateway's history and
+   the ledger, a run that checkpoints, `new` charges more (default 10,000), another run:
+   its gateway requests, wall time and peak RSS against the new activity's pages.
+
+The drain is also drawn (`timeline.png`, matplotlib from the `bench` extra): backlog,
+settled per second, gateway requests per second against the limit, reconcile runs marked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import psutil  # type: ignore[import-untyped]  # no stubs installed
+
+from benchmarks.drain import Workers, child_env, worker_settings
+from benchmarks.stack import Stack
+from benchmarks.stats import percentile
+from charge_worker import streams
+from charge_worker.settings import Settings
+
+PERIOD = "2026-12-01"
+FIRST_ORDER = 1
+RECONCILE_EVERY_S = 20.0
+QUIET_S = 30.0  # the quiet time of the drain's reconcile runs: shorter than the backlog lasts
+PAGE = 100  # charges per history page
+SAMPLE_S = 1.0
+DRAIN_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class Command:
+    """A `charge-worker` command run to its end as a child process."""
+
+    argv: list[str]
+    seconds: float
+    peak_rss_mb: float
+    returncode: int
+    stdout: str
+
+
+async def run_command(settings: Settings, root: Path, *args: str) -> Command:
+    """`charge-worker <args>` with these settings; its wall time and peak RSS (sampled)."""
+    argv = [sys.executable, "-m", "charge_worker", *args]
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        env=child_env(settings, root),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    watched, peak = psutil.Process(proc.pid), 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            with contextlib.suppress(psutil.Error):
+                peak = max(peak, watched.memory_info().rss)
+            await asyncio.sleep(0.05)
+
+    watching = asyncio.create_task(watch())
+    out, _ = await proc.communicate()
+    watching.cancel()
+    returncode = proc.returncode if proc.returncode is not None else -1
+    seconds = time.monotonic() - started
+    return Command(argv[3:], seconds, peak / 2**20, returncode, out.decode())
+
+
+@dataclass
+class Timeline:
+    """The drain, a sample a second."""
+
+    t: list[float] = field(default_factory=list)
+    backlog: list[int] = field(default_factory=list)
+    settled: list[int] = field(default_factory=list)
+    reconcile_at: list[float] = field(default_factory=list)
+    gateway_per_s: dict[int, int] = field(default_factory=dict)  # unix second -> requests
+    started_unix: float = 0.0
+
+
+@dataclass
+class MonthStart:
+    charges: int
+    produce: dict[str, Any] = field(default_factory=dict)
+    drain: dict[str, Any] = field(default_factory=dict)
+    limited: dict[str, Any] = field(default_factory=dict)
+    reconcile: dict[str, Any] = field(default_factory=dict)
+    bytes_per_charge: dict[str, float] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _subscriptions(url: str, first: int, count: int) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(
+            """INSERT INTO subscriptions (subscription_id, order_id, customer_id, amount_minor,
+                                          currency, next_billing_date)
+               SELECT 'sub_' || n, n, 'cus_bench_' || (n % 1000), 99000, 'RUB', $3::date
+                 FROM generate_series($1::bigint, $2::bigint) AS n""",
+            first,
+            first + count - 1,
+            PERIOD,
+        )
+    finally:
+        await conn.close()
+
+
+async def _sample(
+    conn: asyncpg.Connection, nc: Any, settings: Settings, timeline: Timeline, started: float
+) -> bool:
+    """One point of the timeline; True when the work is done."""
+    info = await nc.jetstream().consumer_info(settings.nats.stream, settings.nats.durable)
+    backlog = (info.num_pending or 0) + (info.num_ack_pending or 0)
+    settled = await conn.fetchval(
+        "SELECT count(*) FROM charge_attempts WHERE status NOT IN ('scheduled', 'pending')"
+    )
+    timeline.t.append(time.monotonic() - started)
+    timeline.backlog.append(backlog)
+    timeline.settled.append(int(settled))
+    return backlog == 0
+
+
+async def _drain(
+    stack: Stack,
+    settings: Settings,
+    root: Path,
+    log_dir: Path,
+    *,
+    reconcile_every_s: float,
+) -> tuple[Timeline, list[dict[str, Any]], float]:
+    """Two workers drain what `produce` published while reconcile runs on a schedule;
+    the timeline, each reconcile run's counts, and the drain's seconds."""
+    timeline, runs = Timeline(started_unix=time.time()), list[dict[str, Any]]()
+    workers = Workers(settings, log_dir, count=2)
+    nc = await streams.connect(settings.nats, name="bench-month-start", reconnect=False)
+    conn = await asyncpg.connect(settings.db.url)
+    stop = asyncio.Event()
+
+    async def reconcile_on_schedule() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), reconcile_every_s)
+            if stop.is_set():
+                return
+            timeline.reconcile_at.append(time.monotonic() - started)
+            done = await run_command(settings, root, "reconcile", "--json")
+            with contextlib.suppress(ValueError):
+                runs.append(json.loads(done.stdout).get("counts", {}))
+
+    started = time.monotonic()
+    workers.start()
+    cron = asyncio.create_task(reconcile_on_schedule())
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            await workers.wait_ready(http)
+        while time.monotonic() - started < DRAIN_TIMEOUT_S:
+            if await _sample(conn, nc, settings, timeline, started):
+                break
+            await asyncio.sleep(SAMPLE_S)
+        seconds = time.monotonic() - started
+    finally:
+        stop.set()
+        await cron
+        await workers.stop()
+        await conn.close()
+        await nc.close()
+    return timeline, runs, seconds
+
+
+async def _gateway_stats(stack: Stack) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await stack.gateway.stats(http)
+
+
+async def _sizes(settings: Settings, charges: int) -> dict[str, float]:
+    """Bytes per charge in each store: the ledger, the story, the charges stream."""
+    conn = await asyncpg.connect(settings.db.url)
+    try:
+        ledger = await conn.fetchval("SELECT pg_total_relation_size('charge_attempts')")
+        story = await conn.fetchval(
+            "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('charge_events')"
+        )
+    finally:
+        await conn.close()
+    nc = await streams.connect(settings.nats, name="bench-sizes", reconnect=False)
+    try:
+        stream = (await nc.jetstream().stream_info(settings.nats.stream)).state.bytes
+    finally:
+        await nc.close()
+    return {
+        "charge_attempts": ledger / charges,
+        "charge_events": int(story or 0) / charges,
+        "CHARGES stream": stream / charges,
+    }
+
+
+async def _configure_gateway(stack: Stack, **config: Any) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        (await http.post(f"{stack.gateway.url}/_sim/reset")).raise_for_status()
+        patch = {"latency": {"fixed_s": 0.0}, "key_retention_s": 86400.0} | config
+        (await http.post(f"{stack.gateway.url}/_sim/config", json=patch)).raise_for_status()
+
+
+def _rates(stats: dict[str, Any], since_unix: float) -> list[int]:
+    per_second = {int(k): v for k, v in stats.get("per_second", {}).items()}
+    return [n for second, n in sorted(per_second.items()) if second >= int(since_unix)]
+
+
+async def produce_and_drain(
+    stack: Stack, root: Path, log_dir: Path, charges: int, *, rate_limit: float = 0.0
+) -> dict[str, Any]:
+    """Parts 1 and 2 on one fresh database; with `rate_limit`, the fleet and the gateway
+    are limited to it."""
+    url = await stack.new_database()
+    settings = worker_settings(stack, url)
+    reconcile = settings.reconcile.model_copy(update={"reconcile_quiet_s": QUIET_S})
+    gateway = settings.gateway.model_copy(update={"gateway_rate_limit": rate_limit})
+    settings = settings.model_copy(update={"reconcile": reconcile, "gateway": gateway})
+    await _configure_gateway(stack, rate_limit_per_s=rate_limit or None)
+    await _subscriptions(url, FIRST_ORDER, charges)
+    produced = await run_command(settings, root, "produce", "--date", PERIOD, "--json")
+    if produced.returncode != 0:
+        raise RuntimeError(f"produce exited {produced.returncode}: {produced.stdout[-500:]}")
+    timeline, runs, seconds = await _drain(
+        stack, settings, root, log_dir, reconcile_every_s=RECONCILE_EVERY_S
+    )
+    stats = await _gateway_stats(stack)
+    timeline.gateway_per_s = {int(k): v for k, v in stats.get("per_second", {}).items()}
+    rates = _rates(stats, timeline.started_unix)
+    result = {
+        "produce_s": produced.seconds,
+        "produce_rows_per_s": charges / produced.seconds,
+        "produce_peak_rss_mb": produced.peak_rss_mb,
+        "drain_s": seconds,
+        "drain_per_s": charges / seconds,
+        "reconcile_runs": len(runs),
+        "republished_while_queued": sum(run.get("republished", 0) for run in runs),
+        "still_waiting_max": max((run.get("still_waiting", 0) for run in runs), default=0),
+        "gateway_per_s_p50": percentile([float(r) for r in rates], 50) if rates else 0.0,
+        "gateway_per_s_max": max(rates, default=0),
+        "gateway_429": stats.get("rate_limited", 0),
+        "bytes_per_charge": await _sizes(settings, charges),
+        "timeline": asdict(timeline),
+    }
+    await stack.drop_database(url)
+    return result
+
+
+async def steady_reconcile(stack: Stack, root: Path, history: int, new: int) -> dict[str, Any]:
+    """Part 3: a checkpointed run, then one after `new` more charges."""
+    url = await stack.new_database()
+    settings = worker_settings(stack, url)
+    await _configure_gateway(stack)
+    await _load(stack, url, FIRST_ORDER, history)
+    first = await run_command(settings, root, "reconcile", "--json")
+    before = await _gateway_stats(stack)
+    await _load(stack, url, FIRST_ORDER + history, new)
+    second = await run_command(settings, root, "reconcile", "--json")
+    after = await _gateway_stats(stack)
+    requests = after["requests"] - before["requests"]
+    new_pages = math.ceil(new / PAGE)
+    await stack.drop_database(url)
+    return {
+        "history": history,
+        "new": new,
+        "first_run_s": first.seconds,
+        "first_run_peak_rss_mb": first.peak_rss_mb,
+        "second_run_s": second.seconds,
+        "second_run_peak_rss_mb": second.peak_rss_mb,
+        "second_run_gateway_requests": requests,
+        "new_activity_pages": new_pages,
+        "requests_per_new_page": requests / new_pages,
+        "second_run_counts": _counts(second.stdout),
+    }
+
+
+def _counts(stdout: str) -> dict[str, Any]:
+    with contextlib.suppress(ValueError):
+        counts: dict[str, Any] = json.loads(stdout).get("counts", {})
+        return counts
+    return {}
+
+
+async def _load(stack: Stack, url: str, first: int, count: int) -> None:
+    """`count` charges made, in the gateway's history and recorded in the ledger."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        body = {
+            "first_order_id": first,
+            "count": count,
+            "billing_period": PERIOD,
+            "amount": 99000,
+            "customer_prefix": "cus_bench_",
+        }
+        response = await http.post(f"{stack.gateway.url}/_sim/charges/load", json=body)
+        response.raise_for_status()
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(
+            """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+                   subscription_id, customer_id, amount_minor, currency, status,
+                   gateway_charge_id, attempt, gateway_calls, settled_at)
+               SELECT n, $3::date, n || ':' || $3, 'sub_' || n, 'cus_bench_' || n, 99000,
+                      'RUB', 'succeeded', 'ch_load_' || n || '_' || $3, 1, 1, now()
+                 FROM generate_series($1::bigint, $2::bigint) AS n""",
+            first,
+            first + count - 1,
+            PERIOD,
+        )
+    finally:
+        await conn.close()
+
+
+def draw(timeline: dict[str, Any], limit: float, path: Path) -> bool:
+    """The drain as a picture; False when matplotlib is not installed (the bench extra)."""
+    try:
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+    except ImportError:
+        return False
+    t, settled = timeline["t"], timeline["settled"]
+    per_s = [max(b - a, 0) / SAMPLE_S for a, b in zip([0, *settled], settled, strict=False)]
+    start = int(timeline["started_unix"])
+    gateway = sorted((int(k) - start, v) for k, v in timeline["gateway_per_s"].items())
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    top.plot(t, timeline["backlog"], label="backlog (pending + unacked)")
+    top.set_ylabel("messages")
+    bottom.plot(t, per_s, label="settled per second")
+    if gateway:
+        bottom.plot(*zip(*gateway, strict=True), label="gateway requests per second")
+    if limit:
+        bottom.axhline(limit, linestyle="--", color="grey", label=f"fleet limit {limit:g}/s")
+    for axis in (top, bottom):
+        for at in timeline["reconcile_at"]:
+            axis.axvline(at, color="orange", alpha=0.4)
+        axis.legend(loc="upper right")
+    bottom.set_xlabel("seconds since the workers started (orange: a reconcile run)")
+    bottom.set_ylabel("per second")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+async def month_start(
+    stack: Stack,
+    root: Path,
+    log_dir: Path,
+    *,
+    charges: int,
+    history: int,
+    new: int,
+    rate_limit: float,
+    limited_charges: int,
+    png: Path,
+    say: Any = print,
+) -> MonthStart:
+    """The whole case; `say` gets progress lines."""
+    result = MonthStart(charges)
+    say(f"month start: produce and drain {charges:,} due charges, reconcile every 20 s")
+    result.drain = await produce_and_drain(stack, root, log_dir, charges)
+    result.bytes_per_charge = result.drain.pop("bytes_per_charge")
+    result.produce = {k: result.drain.pop(k) for k in list(result.drain) if k.startswith("produce")}
+    if rate_limit:
+        say(f"month start: {limited_charges:,} charges with the fleet limited to {rate_limit:g}/s")
+        result.limited = await produce_and_drain(
+            stack, root, log_dir, limited_charges, rate_limit=rate_limit
+        )
+        result.limited.pop("bytes_per_charge")
+    say(f"month start: steady reconcile, {history:,} charges in history, {new:,} new")
+    result.reconcile = await steady_reconcile(stack, root, history, new)
+    timeline = (result.limited or result.drain)["timeline"]
+    drawn = draw(timeline, rate_limit if result.limited else 0.0, png)
+    say(f"month start: timeline {'drawn to ' + str(png) if drawn else 'not drawn (no matplotlib)'}")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.month_start", description=__doc__)
+    parser.add_argument("--charges", type=int, default=100_000)
+    parser.add_argument("--history", type=int, default=1_000_000)
+    parser.add_argument("--new", type=int, default=10_000)
+    parser.add_argument("--rate-limit", type=float, default=200.0)
+    parser.add_argument("--limited-charges", type=int, default=20_000)
+    parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/month_start"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parent.parent
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+
+    async def go(stack: Stack) -> MonthStart:
+        await stack.prepare()
+        return await month_start(
+            stack,
+            root,
+            logs,
+            charges=args.charges,
+            history=args.history,
+            new=args.new,
+            rate_limit=args.rate_limit,
+            limited_charges=args.limited_charges,
+            png=args.out / "timeline.png",
+        )
+
+    with Stack(logs, nats_cluster=args.nats_cluster) as stack:
+        result = asyncio.run(go(stack))
+    (args.out / "month_start.json").write_text(json.dumps(result.as_json(), indent=2) + "\n")
+    summary = {k: v for k, v in result.as_json().items() if k not in ("drain", "limited")}
+    for part in ("drain", "limited"):
+        summary[part] = {k: v for k, v in getattr(result, part).items() if k != "timeline"}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
