@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from deploy.chart import Manifest
 from deploy.rendered import COMPONENT, Rendered, env_of, secret_ref
 
 
@@ -73,10 +74,18 @@ def probe_problems(container: dict[str, Any], ports: dict[str, int]) -> list[str
 
 
 def check_cronjobs(rendered: Rendered) -> list[str]:
-    """produce daily and reconcile every 15 min, never overlapping, in a set time zone."""
+    """produce daily, reconcile every 15 min and `reconcile --full` daily, never
+    overlapping, in a set time zone; the full sweep runs reconcile's pods."""
+    reconcile = rendered.values["reconcile"]
+    full = {**reconcile, **reconcile["full"]}
+    full["enabled"] = reconcile["enabled"] and reconcile["full"]["enabled"]
+    jobs = (
+        ("produce", rendered.values["produce"], ["produce"]),
+        ("reconcile", reconcile, ["reconcile"]),
+        ("reconcile-full", full, ["reconcile", "--full"]),
+    )
     problems = []
-    for component in ("produce", "reconcile"):
-        values = rendered.values[component]
+    for component, values, command in jobs:
         cron = rendered.only("CronJob", component)
         if not values["enabled"]:
             if cron is not None:
@@ -85,24 +94,35 @@ def check_cronjobs(rendered: Rendered) -> list[str]:
         if cron is None:
             problems.append(f"no {component} CronJob rendered")
             continue
-        spec = cron.obj["spec"]
-        for field, want in (
-            ("concurrencyPolicy", "Forbid"),
-            ("schedule", values["schedule"]),
-            ("timeZone", values["timeZone"]),
-        ):
-            if spec.get(field) != want:
-                problems.append(
-                    f"CronJob/{cron.name}: {field} is {spec.get(field)!r}, expected {want!r}"
-                )
-        pod = spec["jobTemplate"]["spec"]["template"]["spec"]
-        args = pod["containers"][0].get("args") or []
-        if args[:1] != [component]:
-            problems.append(f"CronJob/{cron.name}: args {args} do not start with {component}")
-        if pod.get("restartPolicy") not in {"Never", "OnFailure"}:
-            problems.append(f"CronJob/{cron.name}: restartPolicy {pod.get('restartPolicy')}")
-        if component == "reconcile":
-            problems += _metrics_file(cron.name, values["metricsFile"], pod, args)
+        problems += _cronjob(cron, values, command)
+    return problems
+
+
+def _cronjob(cron: Manifest, values: dict[str, Any], command: list[str]) -> list[str]:
+    problems = []
+    spec = cron.obj["spec"]
+    for field, want in (
+        ("concurrencyPolicy", "Forbid"),
+        ("schedule", values["schedule"]),
+        ("timeZone", values["timeZone"]),
+    ):
+        if spec.get(field) != want:
+            problems.append(
+                f"CronJob/{cron.name}: {field} is {spec.get(field)!r}, expected {want!r}"
+            )
+    template = spec["jobTemplate"]["spec"]["template"]
+    pod = template["spec"]
+    args = pod["containers"][0].get("args") or []
+    if args[: len(command)] != command:
+        problems.append(f"CronJob/{cron.name}: args {args} do not start with {command}")
+    if pod.get("restartPolicy") not in {"Never", "OnFailure"}:
+        problems.append(f"CronJob/{cron.name}: restartPolicy {pod.get('restartPolicy')}")
+    if command[0] == "reconcile":
+        # its NetworkPolicy and secrets are reconcile's, chosen by this label
+        component = template["metadata"]["labels"].get(COMPONENT)
+        if component != "reconcile":
+            problems.append(f"CronJob/{cron.name}: its pods are {component!r}, not 'reconcile'")
+        problems += _metrics_file(cron.name, values["metricsFile"], pod, args)
     return problems
 
 

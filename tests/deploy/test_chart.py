@@ -434,6 +434,20 @@ def _overlapping_produce(r: Rendered) -> None:
     _find(r, "CronJob", "produce")["spec"]["concurrencyPolicy"] = "Allow"
 
 
+def _overlapping_full_sweep(r: Rendered) -> None:
+    _find(r, "CronJob", "reconcile-full")["spec"]["concurrencyPolicy"] = "Allow"
+
+
+def _full_sweep_that_is_not_full(r: Rendered) -> None:
+    container = _find(r, "CronJob", "reconcile-full")["spec"]["jobTemplate"]["spec"]["template"]
+    container["spec"]["containers"][0]["args"].remove("--full")
+
+
+def _full_sweep_outside_reconciles_policy(r: Rendered) -> None:
+    template = _find(r, "CronJob", "reconcile-full")["spec"]["jobTemplate"]["spec"]["template"]
+    template["metadata"]["labels"][COMPONENT] = "reconcile-full"
+
+
 def _migrate_after_install(r: Rendered) -> None:
     _find(r, "Job", "migrate")["metadata"]["annotations"]["helm.sh/hook"] = "post-install"
 
@@ -517,6 +531,9 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_unknown_setting, pods.check_settings, "CHARGE_WORKER_TURBO is not a charge-worker setting"),
     (_settings_charge_worker_refuses, pods.check_settings, "CHARGE_WORKER_BACKOFF_S"),
     (_overlapping_produce, workloads.check_cronjobs, "concurrencyPolicy is 'Allow'"),
+    (_overlapping_full_sweep, workloads.check_cronjobs, "reconcile-full: concurrencyPolicy"),
+    (_full_sweep_that_is_not_full, workloads.check_cronjobs, "do not start with ['reconcile', '"),
+    (_full_sweep_outside_reconciles_policy, workloads.check_cronjobs, "not 'reconcile'"),
     (_migrate_after_install, workloads.check_migrate_hook, "expected pre-install and pre-upgrade"),
     (_migrate_reads_the_configmap, workloads.check_migrate_hook, "envFrom"),
     (_service_misses_pods, wiring.check_wiring, "does not select the worker pods"),
@@ -654,3 +671,39 @@ def test_the_link_check_notices_a_copy_or_a_wrong_target(tmp_path: Path) -> None
     assert sources.check_links({right: source}) == []
     assert "not a copy" in sources.check_links({copied: source})[0]
     assert "points at" in sources.check_links({wrong: source})[0]
+
+
+# The daily full sweep.
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_reconcile_runs_every_15_minutes_and_reads_the_whole_window_daily(value_set: str) -> None:
+    """The 15-minute runs read what happened since the last one; a second CronJob runs
+    `reconcile --full` daily: reconcile's pods (its NetworkPolicy, secrets, metrics file)."""
+    rendered = rendered_for(value_set)
+    values = rendered.values["reconcile"]
+    crons = {
+        m.obj["metadata"]["labels"][COMPONENT]: m.obj["spec"] for m in rendered.of_kind("CronJob")
+    }
+    assert crons["reconcile"]["schedule"] == values["schedule"]
+    full = crons["reconcile-full"]
+    assert (full["schedule"], full["timeZone"]) == (values["full"]["schedule"], values["timeZone"])
+    pod = full["jobTemplate"]["spec"]["template"]
+    assert pod["metadata"]["labels"][COMPONENT] == "reconcile"
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[:2] == ["reconcile", "--full"]
+    every_15 = crons["reconcile"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    assert args[2:] == every_15["args"][1:]  # the same metrics file and extra arguments
+    assert (
+        full["jobTemplate"]["spec"]["activeDeadlineSeconds"]
+        == (values["full"]["activeDeadlineSeconds"])
+    )
+
+
+def test_the_full_sweep_can_be_left_out() -> None:
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(values, {"reconcile": {"full": {"enabled": False}}})
+    rendered = Rendered(chart.render(values), chart.coalesced(values))
+    components = {m.obj["metadata"]["labels"][COMPONENT] for m in rendered.of_kind("CronJob")}
+    assert components == {"produce", "reconcile"}
+    assert workloads.check_cronjobs(rendered) == []

@@ -243,3 +243,25 @@ def test_unreachable_database_is_one_line_and_exit_1(env: dict[str, str]) -> Non
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: DependencyUnavailable: cannot connect to the database")
+
+
+async def test_each_run_says_which_history_it_read_and_full_reads_the_window(
+    env: dict[str, str], conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """The CronJob's runs page from the checkpoint; `--full`, the daily one, the window."""
+    await succeeded_row(conn, 1, await charged(gateway_sim.url, 1, f"1:{PERIOD}"))
+
+    runs = [reconcile(*args, "--json", env=env) for args in ((), (), ("--full",))]
+
+    assert [r.returncode for r in runs] == [0, 0, 0], [r.stderr for r in runs]
+    first, second, full = (json.loads(r.stdout) for r in runs)
+    assert [first["mode"], second["mode"], full["mode"]] == ["window", "incremental", "full"]
+    assert first["checkpoint"] == first["until"]
+    assert second["since"] < second["until"]
+    read = dt.datetime.fromisoformat(full["until"]) - dt.datetime.fromisoformat(full["since"])
+    assert read == dt.timedelta(hours=48)  # CHARGE_WORKER_RECONCILE_WINDOW_S
+    assert full["history"] == {"pages": 1, "charges": 1}
+    assert (full["candidates"], full["lookups"]) == (0, 0)
+    plain = reconcile("--full", env=env)
+    assert "(full)" in plain.stdout
+    assert "0 key(s) looked at" in plain.stdout

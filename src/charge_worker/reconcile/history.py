@@ -1,15 +1,16 @@
-"""The gateway's side of reconcile: its charge history for the window, paged through once.
+"""The gateway's side of reconcile: its charge history, one page at a time.
 
-Also `patiently`, the one place reconcile waits when the gateway asks it to (429, 409).
+`pages` yields each page as it arrives and keeps nothing of it but what it needs to
+check that the paging moves on (the page before's ids and oldest `created`), so a run
+holds one page whatever the window. Also `patiently`, the one place reconcile waits
+when the gateway asks it to (429, 409).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 from charge_worker.errors import (
@@ -18,41 +19,14 @@ from charge_worker.errors import (
     RateLimited,
     RequestInProgress,
 )
-from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.gateway import GatewayCharge, GatewayClient, HistoryPage
 
 PAGE_SIZE = 100
+PROGRESS_PAGES = 100  # a progress line on stderr every so many pages
 PATIENCE = 3  # tries of a call the gateway asked us to repeat later
 MAX_PAUSE_S = 10.0
 P = ParamSpec("P")
 T = TypeVar("T")
-
-
-@dataclass
-class History:
-    """The gateway's charges created inside the window, as paged through once: by id, and
-    the ids of those with money still captured by their metadata key (order_id,
-    billing_period), oldest first."""
-
-    charges: dict[str, GatewayCharge] = field(default_factory=dict)
-    captured: dict[tuple[str, str], list[str]] = field(default_factory=lambda: defaultdict(list))
-    pages: int = 0
-
-    def add(self, charges: list[GatewayCharge]) -> None:
-        """Take in one page."""
-        for charge in charges:
-            self.charges[charge.id] = charge
-            if charge.captured and charge.order_id and charge.billing_period:
-                self.captured[(charge.order_id, charge.billing_period)].append(charge.id)
-
-    def charged(self, charge_id: str, order_id: int, billing_period: dt.date) -> bool:
-        """Whether the gateway shows this charge as made (refunded since or not) for this key."""
-        charge = self.charges.get(charge_id)
-        return (
-            charge is not None
-            and charge.charged
-            and charge.order_id == str(order_id)
-            and charge.billing_period == billing_period.isoformat()
-        )
 
 
 async def patiently(call: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -67,24 +41,28 @@ async def patiently(call: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.
     raise AssertionError("unreachable")
 
 
-async def fetch_history(
+async def pages(
     gateway: GatewayClient,
     *,
     since: dt.datetime,
     until: dt.datetime,
     progress: Callable[[str], None] = lambda _line: None,
-) -> History:
-    """Page through every charge created in [since, until], 100 at a time, oldest first.
+) -> AsyncGenerator[list[GatewayCharge], None]:
+    """Every charge created in [since, until], 100 at a time, oldest first, page by page.
 
-    Any failure ends the run (`DependencyUnavailable`): a partial history would make
-    doubles and discrepancies guesses. So does a gateway whose paging is broken (it ignores
-    `starting_after`, or sends a charge it sent before), which would be paged forever.
+    The next page is asked for as soon as this one's cursor is known, so the gateway's
+    latency overlaps the caller's work on this one (two pages held at most).
+
+    Any failure ends the run (`DependencyUnavailable`): a history with a hole would make
+    the checkpoint a lie. So does a gateway whose paging is broken (it ignores
+    `starting_after`, sends the charges of the page before again, or goes back in time),
+    which would be paged forever.
     """
-    history, after = History(), None
     created_gte, created_lt = int(since.timestamp()), int(until.timestamp()) + 1
-    while True:
+
+    async def fetch(number: int, after: str | None) -> HistoryPage:
         try:
-            page = await patiently(
+            return await patiently(
                 gateway.history,
                 created_gte=created_gte,
                 created_lt=created_lt,
@@ -94,31 +72,52 @@ async def fetch_history(
         except DependencyUnavailable:
             raise
         except ChargeWorkerError as error:
-            where = f"gateway history page {history.pages + 1}"
+            where = f"gateway history page {number}"
             raise DependencyUnavailable(f"{where}: {type(error).__name__}: {error}") from error
-        _check_progress(page.charges, history, after)
-        history.add(page.charges)
-        history.pages += 1
-        if page.has_more or history.pages > 1:
-            progress(
-                f"reconcile: gateway history page {history.pages}, {len(history.charges)} charges"
-            )
-        if not page.has_more or not page.charges:
-            return history
-        after = page.charges[-1].id
+
+    after: str | None = None
+    previous: set[str] = set()
+    oldest, read, number = 0, 0, 1
+    asked = asyncio.create_task(fetch(number, after))
+    try:
+        while True:
+            page = await asked
+            _check_progress(f"gateway history page {number}", page.charges, after, previous, oldest)
+            read += len(page.charges)
+            last = not page.has_more or not page.charges
+            if number % PROGRESS_PAGES == 0 or (last and number > 1):
+                progress(f"reconcile: gateway history page {number}, {read} charges")
+            if not last:
+                after, number = page.charges[-1].id, number + 1
+                asked = asyncio.create_task(fetch(number, after))
+            yield page.charges
+            if last:
+                return
+            previous = {c.id for c in page.charges}
+            oldest = min(c.created for c in page.charges)
+    finally:
+        asked.cancel()  # the caller stopped early: the page asked for is not wanted
 
 
-def _check_progress(charges: list[GatewayCharge], history: History, after: str | None) -> None:
-    """A page must move on past the cursor and bring only charges not read before."""
-    where = f"gateway history page {history.pages + 1}"
+def _check_progress(
+    where: str, charges: list[GatewayCharge], after: str | None, previous: set[str], oldest: int
+) -> None:
+    """A page must move on past the cursor, bring none of the page before's charges, and
+    not be older than all of them (the history is oldest first; a little disorder among
+    charges made at nearly the same time is the gateway's clocks, not a lost cursor)."""
     if after is not None and charges and charges[-1].id == after:
         raise DependencyUnavailable(
             f"{where}: the gateway ignored starting_after={after} (the cursor did not move);"
             " paging stopped"
         )
-    again = next((c.id for c in charges if c.id in history.charges), None)
+    again = next((c.id for c in charges if c.id in previous), None)
     if again is not None:
         raise DependencyUnavailable(
             f"{where}: the gateway sent {again} again after starting_after={after}"
             " (it ignores the cursor?); paging stopped"
+        )
+    if charges and max(c.created for c in charges) < oldest:
+        raise DependencyUnavailable(
+            f"{where}: every charge is older than the page before's after"
+            f" starting_after={after} (the history is oldest first); paging stopped"
         )

@@ -99,14 +99,27 @@ class Counts:
 
 @dataclass
 class Report:
-    """Everything one run found and did; `skipped` says why it did nothing at all."""
+    """Everything one run found and did; `skipped` says why it did nothing at all.
+
+    What it read: the gateway's history created in [`since`, `until`] (`mode`: `window`
+    on the first run, `incremental` from the checkpoint, `full`, or `since`), `pages` of
+    `charges_seen` charges; `candidates` keys decided on a lookup (`followups` of them
+    from the queue of keys earlier runs left unsettled), and `lookups` made in all.
+    `checkpoint`: what it stored (None: a dry run, or a `--since` that left a gap).
+    """
 
     started_at: dt.datetime
     since: dt.datetime
     dry_run: bool
+    mode: str = "window"
+    until: dt.datetime | None = None
+    checkpoint: dt.datetime | None = None
     skipped: str | None = None
     pages: int = 0
     charges_seen: int = 0
+    candidates: int = 0
+    followups: int = 0
+    lookups: int = 0
     counts: Counts = field(default_factory=Counts)
     findings: dict[Sweep, list[Finding]] = field(
         default_factory=lambda: {sweep: [] for sweep in SWEEPS}
@@ -115,6 +128,13 @@ class Report:
 
     def add(self, sweep: Sweep, finding: Finding) -> None:
         self.findings[sweep].append(finding)
+
+    def sort(self) -> None:
+        """Keys in order (they are worked on several at once); a key's findings as made."""
+        for found in self.findings.values():
+            found.sort(key=lambda item: (item.order_id, item.billing_period))
+        order = {sweep: n for n, sweep in enumerate(SWEEPS)}
+        self.failures.sort(key=lambda failure: (order[failure.sweep], failure.key))
 
     def fail(self, sweep: Sweep, key: str, error: str) -> None:
         self.failures.append(Failure(sweep, key, " ".join(error.split())[:300]))
@@ -168,8 +188,14 @@ def table(report: Report) -> Iterator[str]:
         yield f"reconcile did nothing: {report.skipped}"
         return
     mode = "  (dry run: nothing changed)" if report.dry_run else ""
-    yield f"reconcile at {_stamp(report.started_at)}, gateway history since {_stamp(report.since)}"
-    yield f"{report.pages} page(s), {report.charges_seen} charge(s) read{mode}"
+    yield (
+        f"reconcile at {_stamp(report.started_at)}, gateway history since"
+        f" {_stamp(report.since)} ({report.mode})"
+    )
+    yield (
+        f"{report.pages} page(s), {report.charges_seen} charge(s) read, {report.candidates}"
+        f" key(s) looked at ({report.followups} followed up), {report.lookups} lookup(s){mode}"
+    )
     yield ""
     yield f"{'sweep':<18} {'found':>6} {'done':>6} {'failed':>6}"
     for sweep in SWEEPS:
@@ -198,7 +224,13 @@ def to_json(report: Report, *, exit_code: int) -> dict[str, Any]:
         "dry_run": report.dry_run,
         "started_at": _stamp(report.started_at),
         "since": _stamp(report.since),
+        "until": _stamp(report.until or report.started_at),
+        "mode": report.mode,
+        "checkpoint": _stamp(report.checkpoint) if report.checkpoint else None,
         "history": {"pages": report.pages, "charges": report.charges_seen},
+        "candidates": report.candidates,
+        "followups": report.followups,
+        "lookups": report.lookups,
         "counts": asdict(report.counts),
         **{
             sweep: [

@@ -1,18 +1,21 @@
 """`charge-worker reconcile`: the gateway's history against the ledger, every 15 minutes.
 
-Seven sweeps, in this order (`charges.py`, `sweeps.py`): record charges the gateway made
-for keys whose ledger row was lost altogether (a database failover), refund proven double
-charges, record charges the gateway made for rows the ledger said no to, resolve unknown
-outcomes by lookup, recover quiet rows whose message no longer waits in the stream
-(recorded from a lookup, else re-published: a broker that lost acknowledged messages
-loses no charge), report charges the ledger has and the gateway does not, and report
-captured charges not proven a key's own (for a person: never refunded). Nothing here ever
-charges; the worker's claim keeps every re-published charge to at most one. The findings:
-`report.py`.
+A run costs what happened since the last one: it pages the gateway's history from its
+checkpoint (`checkpoint.py`, less an overlap; the first run and `--full` the whole
+window), one page at a time, and each page costs one ledger statement to sort out
+(`candidates.py`) and one to mark the rows it shows. Only the keys a page shows something
+odd for (a double, a charge the ledger said no to or forgot) are looked up and decided
+(`charges.py`), several at once; so are the keys earlier runs left unsettled
+(`followups.py`). Then, from the ledger: unknown outcomes, lost messages (recorded from a
+lookup, else re-published: a broker that lost acknowledged messages loses no charge),
+both in `sweeps.py`, and the `succeeded` rows no page or lookup has shown
+(`discrepancies.py`). Nothing here ever charges; the worker's claim keeps every
+re-published charge to at most one. The findings: `report.py`.
 
 A real run holds a PostgreSQL session advisory lock (`LOCK_KEY`) on its one ledger
-connection for its whole length: a second run finds it taken, says so and exits 0. A dry
-run writes nothing, so it takes no lock and never keeps the CronJob's run from working.
+connection for its whole length: a second run finds it taken, says so and exits 0. Its
+keys are worked on from a small pool of other connections. A dry run writes nothing (not
+even the checkpoint), so it takes no lock and never keeps the CronJob's run from working.
 Driver errors (asyncpg, httpx, nats) become domain errors at this module's edge.
 """
 
@@ -26,34 +29,34 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import asyncpg
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client
-from nats.js import JetStreamContext
 
-from charge_worker import database, privileges, streams
+from charge_worker import database, privileges
 from charge_worker.database import translated
-from charge_worker.errors import (
-    ChargeWorkerError,
-    DependencyUnavailable,
-    PermanentError,
-    TransientError,
-)
-from charge_worker.gateway import GatewayClient
-from charge_worker.reconcile.charges import (
-    discrepancies,
-    double_charges,
-    forgotten_charges,
-    unrecorded_charges,
-)
-from charge_worker.reconcile.history import fetch_history
+from charge_worker.errors import ChargeWorkerError
+from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.ratelimit import RateLimiter
+from charge_worker.reconcile import checkpoint, discrepancies, followups
+from charge_worker.reconcile.candidates import Key, Recorded, ours, sort_page
+from charge_worker.reconcile.charges import decide
+from charge_worker.reconcile.checkpoint import Plan
+from charge_worker.reconcile.history import pages
 from charge_worker.reconcile.report import Report, table, to_json, write_metrics
-from charge_worker.reconcile.sweeps import Sweeper, lost_messages, unknown_outcomes
-from charge_worker.settings import DbSettings, NatsSettings, Settings
+from charge_worker.reconcile.republisher import NatsRepublisher
+from charge_worker.reconcile.sweeper import CONCURRENCY, Sweeper
+from charge_worker.reconcile.sweeps import lost_messages, unknown_outcomes
+from charge_worker.settings import DbSettings, Settings, require
 
 # Any constant of reconcile's own; "reconcil" in ASCII (migrate.py's is "charge-w").
 LOCK_KEY = 0x7265636F6E63696C
 SKIPPED = "another reconcile is running (it holds the advisory lock)"
+APPLICATION = "charge-worker reconcile"
+PROGRESS_PAGES = 100  # pages between stores of how far a long run has got
+
+_RECORDED = """
+SELECT order_id, billing_period, status, gateway_charge_id, gateway_seen_charge_id
+  FROM charge_attempts
+ WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
+"""
 
 
 def _stderr(line: str) -> None:
@@ -72,6 +75,7 @@ async def reconcile_command(
     as_json: bool,
     fail_on_discrepancy: bool,
     metrics_file: Path | None,
+    full: bool = False,
 ) -> int:
     """Run every sweep once, print the findings, and return the exit code.
 
@@ -96,7 +100,9 @@ async def reconcile_command(
     runs fail, and a run skipped for the lock leaves the other run's file alone).
     """
     try:
-        report = await run_reconcile(settings, since=since, dry_run=dry_run, progress=_stderr)
+        report = await run_reconcile(
+            settings, since=since, dry_run=dry_run, full=full, progress=_stderr
+        )
     except ChargeWorkerError as error:
         _stderr(f"Error: {type(error).__name__}: {_one_line(error)}")
         return 1
@@ -120,21 +126,24 @@ async def run_reconcile(
     *,
     since: dt.datetime | None = None,
     dry_run: bool = False,
+    full: bool = False,
     progress: Callable[[str], None] = lambda _line: None,
+    progress_pages: int = PROGRESS_PAGES,
 ) -> Report:
-    """Run the six sweeps once and return what they found and did.
+    """Run the sweeps once and return what they found and did.
 
-    `since` defaults to `reconcile_window_s` ago. Returns a `Report` with `skipped` set
-    when another (non-dry) run holds the lock. Raises `DependencyUnavailable` when
-    PostgreSQL, the gateway or NATS cannot be reached (or `SettingsError` when one is
-    not configured); a key that fails on its own is in `Report.failures` instead.
+    The history read: from `since` when given, else the whole window with `full` or on
+    the first run, else from the stored checkpoint less `reconcile_overlap_s`. A long
+    real run stores how far it has got every `progress_pages` pages, so one stopped by its
+    deadline (the first run on a full window) is taken on from there by the next. Returns a
+    `Report` with `skipped` set when another (non-dry) run holds the lock. Raises
+    `DependencyUnavailable` when PostgreSQL, the gateway or NATS cannot be reached (or
+    `SettingsError` when one is not configured); a key that fails on its own is in
+    `Report.failures` instead.
     """
     started = dt.datetime.now(dt.UTC)
-    report = Report(
-        started_at=started,
-        since=since or started - dt.timedelta(seconds=settings.reconcile.reconcile_window_s),
-        dry_run=dry_run,
-    )
+    cfg = settings.reconcile
+    report = Report(started_at=started, since=started, dry_run=dry_run)
     gateway = GatewayClient(settings.gateway)  # checks GATEWAY_URL / GATEWAY_API_KEY first
     try:
         async with _ledger(settings.db) as conn, translated():
@@ -142,86 +151,140 @@ async def run_reconcile(
             if not dry_run and not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
                 report.skipped = SKIPPED
                 return report
-            async with _NatsRepublisher(settings.nats) as publisher:
+            plan = checkpoint.plan(
+                started,
+                checkpoint=await checkpoint.read(conn),
+                since=since,
+                full=full,
+                window_s=cfg.reconcile_window_s,
+                overlap_s=cfg.reconcile_overlap_s,
+            )
+            report.mode, report.since, report.until = plan.mode, plan.since, plan.until
+            async with _pool(settings.db) as pool, NatsRepublisher(settings.nats) as publisher:
+                gateway.limiter = RateLimiter(pool, rate_per_s=settings.gateway.gateway_rate_limit)
                 sweeper = Sweeper(
                     conn,
+                    pool,
                     gateway,
                     publisher,
                     report,
-                    quiet_s=settings.reconcile.reconcile_quiet_s,
+                    quiet_s=cfg.reconcile_quiet_s,
                     dry_run=dry_run,
                     progress=progress,
+                    concurrency=min(CONCURRENCY, settings.db.db_pool_max),
                 )
-                await _sweep(sweeper, since=report.since, until=started)
+                await _sweep(sweeper, plan, window_s=cfg.reconcile_window_s, every=progress_pages)
     finally:
         await gateway.aclose()
+    report.sort()
     return report
 
 
-async def _sweep(run: Sweeper, *, since: dt.datetime, until: dt.datetime) -> None:
-    """History first (doubles need it whole), then the sweeps in the order that lets each
-    see what the one before settled: a resolved outcome is not re-published."""
-    history = await fetch_history(run.gateway, since=since, until=until, progress=run.progress)
-    run.report.pages, run.report.charges_seen = history.pages, len(history.charges)
-    await forgotten_charges(run, history)
-    await double_charges(run, history)
-    await unrecorded_charges(run, history)
+async def _sweep(run: Sweeper, plan: Plan, *, window_s: float, every: int) -> None:
+    """The history first, then the sweeps in the order that lets each see what the one
+    before settled: a resolved outcome is not re-published."""
+    window = plan.until - dt.timedelta(seconds=window_s)
+    await _history(run, plan, every=every)
+    await _followups(run, since=window)
+    if not run.dry_run:
+        await followups.expire(run.conn, window)
+        if plan.stores:  # after every read and repair it vouches for
+            await checkpoint.store(run.conn, plan.until)
+            run.report.checkpoint = plan.until
     await unknown_outcomes(run)
     await lost_messages(run)
-    await discrepancies(run, history, since=since)
+    assert plan.settled_from is not None
+    await discrepancies.discrepancies(run, settled_from=plan.settled_from, until=plan.until)
+
+
+async def _history(run: Sweeper, plan: Plan, *, every: int) -> None:
+    """Page through the history; decide each page's candidates before the next page, and
+    every `every` pages store how far the run has got (the history is oldest first, and
+    the next run reads the overlap before it again)."""
+    defer_from = int(plan.defer_from.timestamp()) if plan.defer_from else None
+    stored, stores = plan.previous, plan.stores and not run.dry_run
+    history = pages(run.gateway, since=plan.since, until=plan.until, progress=run.progress)
+    async with contextlib.aclosing(history):  # a failure here stops the page asked for next
+        async for page in history:
+            await _page(run, page, defer_from)
+            if stores and page and run.report.pages % every == 0:
+                newest = dt.datetime.fromtimestamp(max(c.created for c in page), dt.UTC)
+                got = min(newest, plan.until)
+                if stored is None or stored < got:
+                    await checkpoint.store(run.conn, got)
+                    stored = got
+
+
+async def _page(run: Sweeper, page: list[GatewayCharge], defer_from: int | None) -> None:
+    """Sort one page out, mark the rows it shows, decide its candidates."""
+    run.report.pages += 1
+    run.report.charges_seen += len(page)
+    work = sort_page(page, await _recorded(run, page), defer_from=defer_from)
+    await discrepancies.shown(run, work.shown)
+    await _decide(run, [key for key in work.candidates if key not in run.decided])
+
+
+async def _followups(run: Sweeper, *, since: dt.datetime) -> None:
+    """Decide again the keys earlier runs left unsettled (not decided by this run yet)."""
+    before = await run.conn.fetchval("SELECT now()")  # the clock `updated_at` is written by
+    async for batch in followups.batches(run.conn, since=since, before=before):
+        keys = [key for key in batch if key not in run.decided]
+        run.report.followups += len(keys)
+        await _decide(run, keys)
+
+
+async def _recorded(run: Sweeper, page: list[GatewayCharge]) -> dict[Key, Recorded]:
+    """The ledger rows of a page's keys, in one statement."""
+    keys = sorted({key for c in page if (key := ours(c.order_id, c.billing_period)) is not None})
+    rows = await run.conn.fetch(_RECORDED, [k[0] for k in keys], [k[1] for k in keys])
+    return {
+        (r["order_id"], r["billing_period"]): Recorded(
+            r["status"], r["gateway_charge_id"], r["gateway_seen_charge_id"]
+        )
+        for r in rows
+    }
+
+
+async def _decide(run: Sweeper, keys: list[Key]) -> None:
+    """Decide keys several at once; queue those left unsettled, drop the rest."""
+    reasons: dict[Key, followups.Reason | None] = {}
+
+    async def one(key: Key) -> None:
+        reasons[key] = await decide(run, key)
+
+    run.decided.update(keys)
+    run.report.candidates += len(keys)
+    await run.together(keys, one)
+    if not run.dry_run:
+        await followups.keep(run.conn, {k: r for k, r in reasons.items() if r is not None})
+        await followups.drop(run.conn, sorted(k for k, r in reasons.items() if r is None))
 
 
 @contextlib.asynccontextmanager
 async def _ledger(cfg: DbSettings) -> AsyncIterator[asyncpg.Connection]:
     """One connection for the whole run: it holds the lock, and closing it releases it."""
-    conn = await database.connect(cfg, application_name="charge-worker reconcile")
+    conn = await database.connect(cfg, application_name=APPLICATION)
     try:
         yield conn
     finally:
         await database.close_quietly(conn)
 
 
-class _NatsRepublisher:
-    """The charges stream over one NATS connection, opened on first use."""
-
-    def __init__(self, cfg: NatsSettings) -> None:
-        self.cfg = cfg
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-
-    async def __aenter__(self) -> _NatsRepublisher:
-        return self
-
-    async def __aexit__(self, *_exc: object) -> None:
-        if self.nc is not None:
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await self.nc.close()
-
-    async def _connected(self) -> tuple[Client, JetStreamContext]:
-        if self.nc is None or self.js is None:
-            self.nc = await streams.connect(
-                self.cfg, name="charge-worker-reconcile", reconnect=False
-            )
-            self.js = self.nc.jetstream()
-        return self.nc, self.js
-
-    async def position(self) -> streams.Position:
-        """Where the consumer stands: which quiet rows still have a message waiting."""
-        nc, _ = await self._connected()
-        return await streams.position(nc, self.cfg)
-
-    async def republish(self, body: bytes, msg_id: str) -> int:
-        """Publish and wait for the stream's ack; return its sequence."""
-        _, js = await self._connected()
-        subject = self.cfg.subject
-        try:
-            ack = await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
-        except (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError) as error:
-            raise DependencyUnavailable(f"JetStream could not store {subject}: {error}") from error
-        except nats.js.errors.APIError as error:
-            raise PermanentError(f"JetStream refused the message: {error.description}") from error
-        except (nats.errors.Error, OSError) as error:
-            raise DependencyUnavailable(f"NATS publish to {subject}: {error!r}") from error
-        if ack.duplicate:  # only another publish with this msg id in the same second
-            raise TransientError(f"JetStream dropped {msg_id} as a duplicate")
-        return ack.seq
+@contextlib.asynccontextmanager
+async def _pool(cfg: DbSettings) -> AsyncIterator[asyncpg.Pool]:
+    """The connections keys are worked on from, named as the run's own is."""
+    async with translated("cannot connect to the database"):
+        pool = await asyncpg.create_pool(
+            require(cfg.url, "DATABASE_URL"),
+            min_size=0,
+            max_size=min(CONCURRENCY, cfg.db_pool_max),
+            command_timeout=cfg.db_command_timeout_s,
+            server_settings={"application_name": APPLICATION},
+            reset=database.keep_session,
+        )
+    assert pool is not None
+    try:
+        yield pool
+    finally:
+        with contextlib.suppress(*database.DRIVER_ERRORS):
+            await pool.close()

@@ -1,0 +1,194 @@
+"""What every sweep of one reconcile run shares (`Sweeper`), and how keys are worked on
+several at once (`together`).
+
+The run's own connection holds its advisory lock; it reads the rows the sweeps work on and
+writes what the run itself keeps (the rows a page shows, the follow-ups, the checkpoint).
+Each key is worked on from the run's pool, `CONCURRENCY` keys at a time, on a connection of
+its own. Every ledger write of a key is one statement guarded by the status and the fence
+(`attempt`) read before and by an expired lease, so it never races a worker that has just
+taken the row. A key that fails is reported and the sweep goes on; only
+`DependencyUnavailable` ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
+
+import asyncpg
+import structlog
+
+from charge_worker import events
+from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, SettingsError
+from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.messages import idempotency_key
+from charge_worker.reconcile.candidates import Key
+from charge_worker.reconcile.history import patiently
+from charge_worker.reconcile.report import Report, Sweep
+from charge_worker.streams import Position
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+ACTOR = "reconcile"
+PROGRESS_EVERY = 100  # rows
+CONCURRENCY = 8  # keys worked on at once, each on its own ledger connection
+BATCH = 1000  # rows read at a time
+log = structlog.get_logger(__name__)
+Db: TypeAlias = "asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"  # a key's own
+T = TypeVar("T")
+
+# The state and fence read before, and no live lease: a worker that took the row wins. The
+# charge comes from the gateway's own lookup: shown, so no possible discrepancy.
+_SETTLE = """
+UPDATE charge_attempts
+   SET status = $4, gateway_charge_id = $5, gateway_seen_charge_id = $5, last_error = $6,
+       lease_owner = NULL, lease_until = NULL, settled_at = now(), updated_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND status IN ('scheduled', 'pending')
+   AND attempt = $3 AND (lease_until IS NULL OR lease_until < now())
+"""
+
+
+class Republisher(Protocol):
+    """The charges stream: where the consumer stands, and where lost messages go back to
+    (the charges subject, with a fresh `Nats-Msg-Id`)."""
+
+    async def position(self) -> Position:
+        """The consumer's position in the stream now."""
+
+    async def republish(self, body: bytes, msg_id: str) -> int:
+        """Publish, wait for the ack, return the stream sequence."""
+
+
+def stamp(moment: dt.datetime) -> str:
+    """RFC 3339 in UTC, to the second."""
+    return moment.astimezone(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+async def together(
+    items: Iterable[T], work: Callable[[T], Awaitable[None]], *, limit: int = CONCURRENCY
+) -> None:
+    """`work` on every item, at most `limit` at once. The first error that escapes one
+    (`work` reports a key's own errors itself) cancels the others and is raised as is."""
+    gate, stopped = asyncio.Semaphore(limit), False
+
+    async def one(item: T) -> None:
+        nonlocal stopped
+        async with gate:
+            if stopped:  # cancelled already, but the slot came first
+                return
+            try:
+                await work(item)
+            except BaseException:
+                stopped = True
+                raise
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for item in items:
+                group.create_task(one(item))
+    except BaseExceptionGroup as errors:
+        raise _first(errors) from None
+
+
+def _first(errors: BaseExceptionGroup[BaseException]) -> BaseException:
+    error = errors.exceptions[0]
+    return _first(error) if isinstance(error, BaseExceptionGroup) else error
+
+
+@dataclass
+class Sweeper:
+    """What every sweep of one run shares: the run's connection (holding its lock), the
+    pool its keys are worked on from, the gateway, the publisher, the report, and the
+    helpers that keep writes guarded."""
+
+    conn: asyncpg.Connection
+    pool: asyncpg.Pool
+    gateway: GatewayClient
+    publisher: Republisher
+    report: Report
+    quiet_s: float
+    dry_run: bool = False
+    progress: Callable[[str], None] = lambda _line: None
+    concurrency: int = CONCURRENCY
+    # settled (or, dry, that would be) by an earlier sweep of this run: not re-published
+    settled: set[Key] = field(default_factory=set)
+    # gateway charges reported for a person by an earlier sweep of this run
+    unmatched: set[str] = field(default_factory=set)
+    # keys a sweep of this run could not handle: reported once, not tried again
+    failed: set[str] = field(default_factory=set)
+    # succeeded rows whose charge a dry run saw (a real run records that on the row)
+    shown: set[Key] = field(default_factory=set)
+    # keys decided on a lookup by this run: once per run (bounded by the candidates)
+    decided: set[Key] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def each(self, sweep: Sweep, key: str) -> Iterator[None]:
+        """One broken key is reported and skipped; an unreachable (or unconfigured)
+        dependency ends the run."""
+        try:
+            yield
+        except (DependencyUnavailable, SettingsError):
+            raise
+        except ChargeWorkerError as error:
+            self._failed(sweep, key, f"{type(error).__name__}: {error}")
+        except (asyncpg.IntegrityConstraintViolationError, asyncpg.DataError) as error:
+            self._failed(sweep, key, f"the ledger refused the write: {error}")
+
+    def _failed(self, sweep: Sweep, key: str, error: str) -> None:
+        self.failed.add(key)
+        self.report.fail(sweep, key, error)
+        log.warning("reconcile.key_failed", sweep=sweep, key=key, error=error)
+
+    def tick(self, what: str, done: int) -> None:
+        """Progress on long sweeps, every `PROGRESS_EVERY` rows."""
+        if done % PROGRESS_EVERY == 0:
+            self.progress(f"reconcile: {what}: {done} rows")
+
+    async def together(self, items: Iterable[T], work: Callable[[T], Awaitable[None]]) -> None:
+        """`work` on every item, `concurrency` at a time."""
+        await together(items, work, limit=self.concurrency)
+
+    async def lookup(self, key: Key) -> list[GatewayCharge]:
+        """Every charge the gateway holds for the key, counted in the report."""
+        self.report.lookups += 1
+        return await patiently(self.gateway.lookup, *key)
+
+    async def refund(self, charge_id: str) -> str:
+        """Refund a proven double in full (`Idempotency-Key: refund:<charge id>`)."""
+        return await patiently(self.gateway.refund, charge_id)
+
+    async def event(self, conn: Db, key: Key, kind: str, **detail: Any) -> None:
+        """Append to the charge's story; losing an event never undoes what it records."""
+        try:
+            async with conn.transaction():  # a savepoint when inside a transaction
+                await events.record(conn, *key, kind, ACTOR, **detail)  # type: ignore[arg-type]
+        except (asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError):
+            raise
+        except asyncpg.PostgresError as error:
+            key_ = idempotency_key(*key)
+            log.warning("reconcile.event_lost", kind=kind, key=key_, error=str(error))
+
+    async def settle(
+        self,
+        conn: Db,
+        key: Key,
+        attempt: int,
+        status: str,
+        *,
+        charge_id: str | None,
+        error: str | None,
+        **detail: Any,
+    ) -> bool:
+        """The guarded write, with its `resolved` event; False if a worker took the row."""
+        async with conn.transaction():
+            result = await conn.execute(_SETTLE, *key, attempt, status, charge_id, error)
+            if result != "UPDATE 1":
+                return False
+            await self.event(conn, key, "resolved", status=status, charge_id=charge_id, **detail)
+        self.settled.add(key)
+        return True
