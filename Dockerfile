@@ -12,10 +12,20 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 
-RUN python -m venv /opt/venv
+WORKDIR /src
+# Every dependency comes from the lock, each file checked against its sha256
+# (requirements/*.txt, exported from uv.lock by `make lock`): the image is built from the
+# versions `make test` checked, and a replaced file on the index fails the build. The build
+# backend gets a venv of its own, so it never reaches the image.
+COPY requirements/ requirements/
+RUN python -m venv /opt/build \
+    && /opt/build/bin/pip install --no-compile --require-hashes --no-deps \
+       -r requirements/build.txt \
+    && python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-compile --require-hashes --no-deps \
+       -r requirements/runtime.txt
 ENV PATH=/opt/venv/bin:$PATH
 
-WORKDIR /src
 # Only what the wheel is built from (.dockerignore keeps the rest out of the context);
 # the wheel carries migrations/ as charge_worker/migrations (pyproject force-include).
 COPY pyproject.toml README.md ./
@@ -23,9 +33,11 @@ COPY src/ src/
 COPY migrations/ migrations/
 # No extras: the dev extra (pytest, linters, embedded nats-server and PostgreSQL) and the
 # deploy extra (Helm SDK, schemas) never reach the image. Every runtime dependency ships
-# manylinux wheels, so no compiler is needed here either.
+# manylinux wheels, so no compiler is needed here either. The project itself goes in with
+# --no-deps: its dependencies are the locked ones above, nothing is resolved here.
 # Bytecode is compiled here, once: the root filesystem is read-only at run time.
-RUN pip install --no-compile . \
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /tmp/dist . \
+    && pip install --no-compile --no-deps /tmp/dist/charge_worker-*.whl \
     && python -m compileall -q /opt/venv/lib
 
 # --- runtime: the virtualenv, tini as PID 1, an unprivileged user ---

@@ -5,8 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEPLOY_STAMP := $(VENV)/.installed-deploy
+# The other interpreters `make test-pythons` runs the unit and integration tiers on, each in
+# a .venv-X.Y of its own; one not installed is skipped with a line that says so.
+EXTRA_PYTHONS ?= 3.12 3.13
+# uv resolves and hashes from PyPI alone (it reads no pip.conf, so no local mirror's files
+# reach the lock) and writes one lock for every Python, platform and extra; pinned like the
+# linters. `make lock LOCK_ARGS=--upgrade` moves every pin to the newest allowed release.
+UV_VERSION := 0.13.9
+LOCK_VENV := .venv-lock
 
-.PHONY: demo test lint bench chaos clean check-deploy
+.PHONY: demo test lint bench chaos clean check-deploy lock test-pythons
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +32,54 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# pythonX.Y that runs (a pyenv shim may exist and refuse to), else pyenv's own copy; empty
+# when there is none
+find_python = for p in "$$(command -v python$(1))" $(HOME)/.pyenv/versions/$(1).*/bin/python$(1); do \
+	"$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done
+
+# The unit and integration tiers on every EXTRA_PYTHONS interpreter there is, one after the
+# other (each pytest run starts its own servers; two at once would share 2 cores).
+# PYTHONS_PYTEST_ARGS narrows them (.ci/run does, to stay within CI's time).
+test-pythons: $(STAMP)
+	@for version in $(EXTRA_PYTHONS); do \
+	    python=$$($(call find_python,$$version)); \
+	    if [ -z "$$python" ]; then echo "test-pythons: python$$version not found, skipped"; continue; fi; \
+	    $(MAKE) --no-print-directory .venv-$$version/.installed PYTHON_X=$$python || exit 1; \
+	    echo "== Python $$version ($$python)"; \
+	    .venv-$$version/bin/python -m pytest tests/unit tests/integration $(PYTHONS_PYTEST_ARGS) || exit 1; \
+	done
+
+# pgserver ships no wheel for 3.13 and up (pyproject's dev extra skips it there); its
+# PostgreSQL binaries do not depend on Python's version, so the files of the wheel .venv
+# has (same version, cp312 tags) go into that venv's site-packages, then its own
+# requirements (pure Python, or abi3 wheels) the usual way.
+PGSERVER_VERSION = $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("pgserver"))')
+PGSERVER_REQUIRES = $$($(BIN)/python -c 'import importlib.metadata as m; from packaging.requirements import Requirement as R; print(*(str(r) for r in map(R, m.requires("pgserver")) if not r.marker))')
+.venv-%/.installed: pyproject.toml $(STAMP)
+	@test -x .venv-$*/bin/python || $(PYTHON_X) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -e '.[dev]'
+	@.venv-$*/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("pgserver") is None)' \
+	  || { .venv-$*/bin/python -m pip install --quiet --no-deps --only-binary=:all: \
+	       --python-version 3.12 --platform "manylinux2014_$$(uname -m)" --upgrade \
+	       --target "$$(.venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+	       "pgserver==$(PGSERVER_VERSION)" \
+	    && .venv-$*/bin/python -m pip install --quiet $(PGSERVER_REQUIRES); }
+	@touch $@
+
+# uv.lock (the project, each extra, every Python and platform, with hashes) from
+# pyproject.toml; requirements/runtime.txt (the image's dependencies) exported from it;
+# requirements/build.txt (the build backend). tests/unit/test_lock.py fails until they match.
+lock:
+	@$(LOCK_VENV)/bin/uv --version 2>/dev/null | grep -qx 'uv $(UV_VERSION)' \
+	  || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install --quiet 'uv==$(UV_VERSION)'; }
+	$(LOCK_VENV)/bin/uv lock $(LOCK_ARGS)
+	$(LOCK_VENV)/bin/uv export --quiet --frozen --no-emit-project --format requirements-txt \
+	  --output-file requirements/runtime.txt
+	$(LOCK_VENV)/bin/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
+	  | $(LOCK_VENV)/bin/uv pip compile --quiet --universal --generate-hashes --python-version 3.11 \
+	    $(LOCK_ARGS) --output-file requirements/build.txt -
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
@@ -51,4 +107,4 @@ check-deploy: $(DEPLOY_STAMP)
 	$(BIN)/python -m pytest tests/deploy $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo .chaos
+	rm -rf $(VENV) $(VENV)-* .mypy_cache .ruff_cache .pytest_cache .demo .chaos

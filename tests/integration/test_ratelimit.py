@@ -8,8 +8,20 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
+from nats.aio.client import Client
 
 from charge_worker.ratelimit import RateLimiter
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings
+from tests.support.harness import (
+    due,
+    eventually,
+    gateway_charges,
+    provisioned,
+    publish,
+    running_worker,
+    settings_for,
+)
 
 
 @pytest.fixture
@@ -56,3 +68,29 @@ async def test_a_reservation_is_what_the_bucket_holds_and_is_spent_first(
     assert await other.reserve(5) == 0  # the fleet's token is held by the first
     await limiter.spend()  # the reserved one: no wait
     assert limiter.tokens == 0
+
+
+async def test_the_worker_takes_its_gateway_calls_from_the_fleets_bucket(
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+    pool: asyncpg.Pool,
+) -> None:
+    """`CHARGE_WORKER_GATEWAY_RATE_LIMIT` reaches the worker: its calls come out of the
+    shared bucket (a row the limiter alone writes), and the charge is made."""
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url, gateway_rate_limit=50.0
+    )
+    js = await provisioned(nc, settings)
+    async with running_worker(settings):
+        await publish(js, settings.nats.subject, due(1))
+        await eventually(
+            lambda: _gateway_charges_equal(gateway_sim.url, {"1:2026-12-01": 1}), "charged"
+        )
+    assert await pool.fetchval("SELECT count(*) FROM rate_buckets WHERE name = 'gateway'") == 1
+
+
+async def _gateway_charges_equal(url: str, expected: dict[str, int]) -> bool:
+    return await gateway_charges(url) == expected

@@ -1,13 +1,14 @@
 """`charge-worker dlq list | show | replay`: the dead letters kept in `CHARGES_DLQ`.
 
-Each command prints its result and returns the exit code; the dead letters themselves are
-never changed or deleted here. What a message brought is printed escaped
-(`display.printable`), or JSON-escaped with `--json`: a body is no place to take escape
-sequences for the operator's terminal from.
+Each command prints its result (one JSON object, or one per line for `list`, with `--json`)
+and returns the exit code; the dead letters themselves are never changed or deleted here.
+What a message brought is printed escaped (`display.printable`), or JSON-escaped with
+`--json`: a body is no place to take escape sequences for the operator's terminal from.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import shutil
@@ -16,7 +17,7 @@ import sys
 import click
 
 from charge_worker.display import printable
-from charge_worker.dlq import opened, table
+from charge_worker.dlq import Letter, ReplayReport, opened, table
 from charge_worker.settings import Settings
 
 REPLAY_PROGRESS_FROM = 20  # dead letters; fewer replay too fast for a bar to help
@@ -42,8 +43,9 @@ async def list_command(settings: Settings, *, reason: str | None, limit: int, as
     return 0
 
 
-async def show_command(settings: Settings, seq: int) -> int:
-    """Every header, a blank line, then the body; 1 when `seq` is not a dead letter."""
+async def show_command(settings: Settings, seq: int, *, as_json: bool = False) -> int:
+    """Every header, a blank line, then the body (one JSON object with `as_json`); 1 when
+    `seq` is not a dead letter."""
     async with opened(settings.nats) as dead_letters:
         letter = await dead_letters.get(seq)
     if letter is None:
@@ -51,11 +53,28 @@ async def show_command(settings: Settings, seq: int) -> int:
             f"Error: no dead letter with sequence {seq} in {settings.nats.dlq_stream}", err=True
         )
         return 1
+    if as_json:
+        click.echo(json.dumps(_letter_json(letter)))
+        return 0
     for name, value in letter.headers.items():
         click.echo(f"{printable(name)}: {printable(value)}")
     click.echo()
     click.echo(letter.pretty_body())
     return 0
+
+
+def _letter_json(letter: Letter) -> dict[str, object]:
+    """The exact body as base64 (what a replay sends), and parsed when it is UTF-8 JSON."""
+    try:
+        parsed: object = json.loads(letter.body.decode("utf-8"))
+    except ValueError:
+        parsed = None
+    return {
+        "seq": letter.seq,
+        "headers": dict(letter.headers),
+        "body_base64": base64.b64encode(letter.body).decode("ascii"),
+        "body_json": parsed,
+    }
 
 
 async def select(settings: Settings, reason: str | None) -> list[int]:
@@ -64,7 +83,7 @@ async def select(settings: Settings, reason: str | None) -> list[int]:
         return await dead_letters.seqs(reason)
 
 
-async def replay_command(settings: Settings, seqs: list[int]) -> int:
+async def replay_command(settings: Settings, seqs: list[int], *, as_json: bool = False) -> int:
     """Republish these dead letters' bodies to the charges subject; print what happened."""
     async with opened(settings.nats) as dead_letters:
         if len(seqs) < REPLAY_PROGRESS_FROM:
@@ -72,5 +91,15 @@ async def replay_command(settings: Settings, seqs: list[int]) -> int:
         else:
             with click.progressbar(length=len(seqs), label="replaying", file=sys.stderr) as bar:
                 report = await dead_letters.replay(seqs, on_each=lambda *_: bar.update(1))
-    click.echo(report.summary())
+    print_replay(report, as_json=as_json)
     return 0
+
+
+def print_replay(report: ReplayReport, *, as_json: bool) -> None:
+    """One line: replayed / duplicates / missing; or one JSON object of their sequences."""
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(report) | {"exit_code": 0}))
+    elif not (report.replayed or report.duplicates or report.missing):
+        click.echo("no dead letters to replay")
+    else:
+        click.echo(report.summary())

@@ -3,12 +3,21 @@
 Label values come from the same words the code uses: a delivery's `result` is the
 `DeliveryRejected.result` of its rejection, or `journaled` / `duplicate` / `unavailable`; an
 event's `status` is the journal status processing gave it. The series the alerts read are
-created at 0 at start, so `increase()` sees their first increment.
+created at 0 at start, so `increase()` sees their first increment. The registry also carries
+the process and runtime collectors (`process_*`, `python_gc_*`, `python_info`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 PREFIX = "charge_worker_webhook"
 
@@ -30,6 +39,9 @@ class WebhookMetrics:
 
     def __init__(self, registry: CollectorRegistry, *, source: str) -> None:
         self.registry = registry
+        ProcessCollector(registry=registry)
+        GCCollector(registry=registry)
+        PlatformCollector(registry=registry)
         self.deliveries = Counter(
             f"{PREFIX}_deliveries",
             "Webhook deliveries received, by source and result.",

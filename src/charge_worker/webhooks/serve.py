@@ -120,24 +120,41 @@ async def _serve(
     stop: asyncio.Event,
     ready: Callable[[], None],
 ) -> None:
-    """Run server and processor until `stop`, or until either ends by itself (an error)."""
+    """Run server and processor until `stop`, or until either ends by itself: then the
+    receiver stops, since a receiver that journals what no processor applies, or a
+    processor nothing can probe, must be restarted."""
     tasks = {
-        asyncio.create_task(server.serve(sockets=[listener])),
-        asyncio.create_task(processor.run(stop)),
+        asyncio.create_task(server.serve(sockets=[listener]), name="http"),
+        asyncio.create_task(processor.run(stop), name="processor"),
     }
     stopping = asyncio.create_task(stop.wait())
     ready()
     try:
         done, _ = await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        for task in done & tasks:
-            task.result()  # raises what ended it
-            if not stop.is_set():
-                raise RuntimeError("the webhook server or processor ended before a stop")
+        for task in tasks:
+            if task in done:
+                _raise_if_died(task, stop)
     finally:
         stop.set()
         server.should_exit = True
         stopping.cancel()
         await asyncio.gather(*tasks, stopping, return_exceptions=True)
+        for opened in getattr(server, "servers", []):  # a dead uvicorn loop leaves them open
+            opened.close()
+
+
+def _raise_if_died(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    """Log at error level and raise what ended `task`, unless it ended for the stop."""
+    error = None if task.cancelled() else task.exception()
+    if error is None and stop.is_set():
+        return
+    why = "cancelled" if task.cancelled() else "returned before the stop"
+    if error is not None:
+        why = f"{type(error).__name__}: {error}"
+    log.error("webhooks.task_died", task=task.get_name(), error=why, exc_info=error)
+    if isinstance(error, Exception):
+        raise error  # a domain error stays one line on the command's stderr
+    raise RuntimeError(f"the webhook {task.get_name()} task died: {why}")
 
 
 def _app(

@@ -2,20 +2,34 @@
 
 Label values come from the same enums as the decisions. Redeliveries are counted by the
 worker (`num_delivered > 1`) as a counter: the server's `num_redelivered` is a gauge that
-goes down, so `increase()` over it lies.
+goes down, so `increase()` over it lies. The registry also carries the process and runtime
+collectors (`process_*`, `python_gc_*`, `python_info`) the client's default registry has.
 """
 
 from __future__ import annotations
 
 import pybreaker
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 PREFIX = "charge_worker"
 
 
 class Metrics:
+    """The worker's figures; `registry` is what its `/metrics` serves."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        ProcessCollector(registry=registry)
+        GCCollector(registry=registry)
+        PlatformCollector(registry=registry)
         self.messages = Counter(
             f"{PREFIX}_messages",
             "Deliveries processed, by outcome and action.",

@@ -1,13 +1,15 @@
 """Wiring and lifecycle of `charge-worker run`: connections, clients, consumer, HTTP, signals.
 
 SIGTERM and SIGINT only set the stop event; the consumer decides what stopping means
-(no more fetches, in-flight work drained within `drain_s`, nothing acked on cancel).
+(no more fetches, in-flight work drained within `drain_s`, nothing acked on cancel). The
+side tasks (re-scoring, consumer stats, the HTTP server) are watched (`health.SideTasks`):
+one that dies is logged at error level and fails `/healthz`, so the pod is restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -18,12 +20,13 @@ from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
 from charge_worker.gateway import GatewayClient
 from charge_worker.ledger import DeferredChecks, Ledger
+from charge_worker.ratelimit import RateLimiter
 from charge_worker.scoring import ScoringClient
 from charge_worker.settings import Settings
 from charge_worker.worker.advisories import Advisories
 from charge_worker.worker.consumer import Consumer
 from charge_worker.worker.failpoints import Failpoints
-from charge_worker.worker.health import Health, report_consumer_stats
+from charge_worker.worker.health import Health, SideTasks, report_consumer_stats
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Pipeline
 from charge_worker.worker.rescoring import BATCH, rescore_deferred
@@ -33,10 +36,12 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class Running:
-    """A started worker, as `on_ready` sees it (tests use it to reach the HTTP surface)."""
+    """A started worker, as `on_ready` sees it (tests use it to reach the HTTP surface and
+    the side tasks)."""
 
     consumer: Consumer
     http_port: int
+    side_tasks: Mapping[str, asyncio.Task[None]]
 
 
 async def run_worker(
@@ -59,7 +64,8 @@ async def run_worker(
     for drift in report.drift:
         log.warning("streams.drift", detail=str(drift))
     pool = await create_pool(settings.db)
-    gateway = GatewayClient(settings.gateway)
+    limiter = RateLimiter(pool, rate_per_s=settings.gateway.gateway_rate_limit)
+    gateway = GatewayClient(settings.gateway, limiter=limiter)
     scoring = ScoringClient(settings.scoring)
     metrics = Metrics(registry or CollectorRegistry())
     metrics.watch(gateway.breaker)
@@ -78,8 +84,13 @@ async def run_worker(
         metrics=metrics,
         failpoints=failpoints,
     )
+    side_tasks = SideTasks(stop)
     health = Health(
-        last_tick=lambda: consumer.last_tick, consuming=consumer.ready.is_set, nc=nc, pool=pool
+        last_tick=lambda: consumer.last_tick,
+        consuming=consumer.ready.is_set,
+        nc=nc,
+        pool=pool,
+        side_tasks=side_tasks,
     )
     server = http.server(  # served on `listener`, bound above
         http.probes_app(metrics.registry, wedged=health.wedged, not_ready=health.not_ready)
@@ -89,26 +100,27 @@ async def run_worker(
     checks = DeferredChecks(pool, retry_s=BATCH * settings.scoring.scoring_timeout_s + interval_s)
     advisories = Advisories(dead_letters, ledger, metrics)
     subscription = await nc.subscribe(advisories.subject(), cb=advisories.on_message)
-    side_tasks = [
-        asyncio.create_task(server.serve(sockets=[listener])),
-        asyncio.create_task(
-            rescore_deferred(checks, scoring, metrics, stop, interval_s=interval_s)
+    side_tasks.start("http", server.serve(sockets=[listener]))
+    side_tasks.start(
+        "rescoring", rescore_deferred(checks, scoring, metrics, stop, interval_s=interval_s)
+    )
+    side_tasks.start(
+        "consumer_stats",
+        report_consumer_stats(
+            nc, settings.nats, metrics, stop, interval_s=settings.worker.stats_interval_s
         ),
-        asyncio.create_task(
-            report_consumer_stats(
-                nc, settings.nats, metrics, stop, interval_s=settings.worker.stats_interval_s
-            )
-        ),
-    ]
+    )
     log.info("worker.started", concurrency=settings.worker.concurrency)
     try:
         consuming = asyncio.create_task(consumer.run(stop))
-        on_ready(Running(consumer, listener.getsockname()[1]))
+        on_ready(Running(consumer, listener.getsockname()[1], side_tasks.tasks))
         await consuming
     finally:
         server.should_exit = True
         stop.set()
-        await asyncio.gather(*side_tasks, return_exceptions=True)
+        await side_tasks.finish()
+        for opened in getattr(server, "servers", []):  # a dead uvicorn loop leaves them open
+            opened.close()
         await subscription.unsubscribe()
         await gateway.aclose()
         await scoring.aclose()
