@@ -46,6 +46,7 @@ QUIET_S = 30.0  # the quiet time of the drain's reconcile runs: shorter than the
 PAGE = 100  # charges per history page
 SAMPLE_S = 1.0
 DRAIN_TIMEOUT_S = 3600.0
+HISTORY_AGE_S = 3600  # the month's history is older than the overlap a later run reads again
 
 
 @dataclass
@@ -273,7 +274,7 @@ async def steady_reconcile(stack: Stack, root: Path, history: int, new: int) -> 
     url = await stack.new_database()
     settings = worker_settings(stack, url)
     await _configure_gateway(stack)
-    await _load(stack, url, FIRST_ORDER, history)
+    await _load(stack, url, FIRST_ORDER, history, age_s=HISTORY_AGE_S)
     first = await run_command(settings, root, "reconcile", "--json")
     before = await _gateway_stats(stack)
     await _load(stack, url, FIRST_ORDER + history, new)
@@ -303,8 +304,8 @@ def _counts(stdout: str) -> dict[str, Any]:
     return {}
 
 
-async def _load(stack: Stack, url: str, first: int, count: int) -> None:
-    """`count` charges made, in the gateway's history and recorded in the ledger."""
+async def _load(stack: Stack, url: str, first: int, count: int, *, age_s: int = 0) -> None:
+    """`count` charges made `age_s` ago, in the gateway's history and in the ledger."""
     async with httpx.AsyncClient(timeout=600) as http:
         body = {
             "first_order_id": first,
@@ -312,6 +313,7 @@ async def _load(stack: Stack, url: str, first: int, count: int) -> None:
             "billing_period": PERIOD,
             "amount": 99000,
             "customer_prefix": "cus_bench_",
+            "created": int(time.time()) - age_s,
         }
         response = await http.post(f"{stack.gateway.url}/_sim/charges/load", json=body)
         response.raise_for_status()
@@ -322,11 +324,13 @@ async def _load(stack: Stack, url: str, first: int, count: int) -> None:
                    subscription_id, customer_id, amount_minor, currency, status,
                    gateway_charge_id, attempt, gateway_calls, settled_at)
                SELECT n, $3::date, n || ':' || $3, 'sub_' || n, 'cus_bench_' || n, 99000,
-                      'RUB', 'succeeded', 'ch_load_' || n || '_' || $3, 1, 1, now()
+                      'RUB', 'succeeded', 'ch_load_' || n || '_' || $3, 1, 1,
+                      now() - make_interval(secs => $4)
                  FROM generate_series($1::bigint, $2::bigint) AS n""",
             first,
             first + count - 1,
             PERIOD,
+            float(age_s),
         )
     finally:
         await conn.close()

@@ -49,7 +49,8 @@ without auth, `GET /_sim/charges` (every charge with its `idempotency_key`), `GE
 (requests by endpoint, status and second, injected errors, 429s of the rate limit, lost
 answers), `POST /_sim/disputes`
 (`{"charge": id}`: the cardholder disputes a succeeded charge not refunded),
-`GET /_sim/webhooks` (every webhook delivery and its attempts) and the control routes of
+`GET /_sim/webhooks` (every webhook delivery and its attempts), `POST /_sim/charges/load`
+(a month's history at once, for benchmarks) and the control routes of
 `simulator.py` (`/_sim/config`, `/_sim/reset`).
 
 Webhook seam: every change of a charge object is passed to `sim.events.publish(type,
@@ -184,6 +185,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             ),
             Route("/_sim/charges", self.all_charges, methods=["GET"]),
             Route("/_sim/disputes", self.create_dispute, methods=["POST"]),
+            Route("/_sim/charges/load", self.load_charges, methods=["POST"]),
             Route("/_sim/webhooks", self.webhook_deliveries, methods=["GET"]),
             *self.control_routes(),
         ]
@@ -259,6 +261,34 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         """`GET /_sim/charges`: every charge ever made, with the key that made it."""
         data = [c.to_json() | {"idempotency_key": c.idempotency_key} for c in self.book.charges]
         return JSONResponse({"data": data})
+
+    async def load_charges(self, request: Request) -> Response:
+        """`POST /_sim/charges/load` `{"first_order_id", "count", "billing_period", "amount",
+        "currency", "customer_prefix", "created"}`: that many succeeded charges made at once, as
+        a month's history (ids `ch_load_<order_id>_<period>`, `created` unix seconds, now
+        when absent), no request each; for benchmarks."""
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            return api_error(400, "invalid_request_error", "parameter_invalid", "An object.")
+        first, count = int(body["first_order_id"]), int(body["count"])
+        period, amount = str(body["billing_period"]), int(body["amount"])
+        currency, prefix = str(body.get("currency", "RUB")), str(body["customer_prefix"])
+        created = int(body.get("created", time.time()))
+        for order_id in range(first, first + count):
+            key = f"{order_id}:{period}"
+            self.book.add(
+                Charge(
+                    id=f"ch_load_{order_id}_{period}",
+                    amount=amount,
+                    currency=currency,
+                    customer=f"{prefix}{order_id}",
+                    metadata={"order_id": str(order_id), "billing_period": period},
+                    created=created,
+                    status="succeeded",
+                    idempotency_key=key,
+                )
+            )
+        return JSONResponse({"loaded": count, "charges": len(self.book.charges)})
 
     async def create_dispute(self, request: Request) -> Response:
         """`POST /_sim/disputes` `{"charge": id}`: a chargeback opens on a succeeded charge."""
