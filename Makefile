@@ -75,7 +75,7 @@ lock:
 	@$(LOCK_VENV)/bin/uv --version 2>/dev/null | grep -qx 'uv $(UV_VERSION)' \
 	  || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install --quiet 'uv==$(UV_VERSION)'; }
 	$(LOCK_VENV)/bin/uv lock $(LOCK_ARGS)
-	$(LOCK_VENV)/bin/uv export --quiet --frozen --no-emit-project --format requirements-txt \
+	$(LOCK_VENV)/bin/uv export --quiet --frozen --no-emit-project --extra otel --format requirements-txt \
 	  --output-file requirements/runtime.txt
 	$(LOCK_VENV)/bin/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
 	  | $(LOCK_VENV)/bin/uv pip compile --quiet --universal --generate-hashes --python-version 3.11 \

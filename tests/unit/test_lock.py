@@ -26,6 +26,7 @@ ROOT = Path(__file__).parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 LOCK = tomllib.loads((ROOT / "uv.lock").read_text())
 RUNTIME = ROOT / "requirements" / "runtime.txt"
+IMAGE_EXTRAS = ("otel",)  # `make lock` exports them with the runtime (traces in the image)
 BUILD = ROOT / "requirements" / "build.txt"
 PROJECT = "charge-worker"
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
@@ -95,9 +96,14 @@ def locked_versions() -> dict[str, set[str]]:
 
 
 def runtime_closure() -> set[str]:
-    """Every package the project needs without extras, on any Python or platform."""
+    """Every package the image needs (the project and its `IMAGE_EXTRAS`), on any Python or
+    platform."""
     packages = {canonicalize_name(p["name"]): p for p in LOCK["package"]}
-    wanted = [(d["name"], tuple(d.get("extra", ()))) for d in _project().get("dependencies", [])]
+    project = _project()
+    direct = list(project.get("dependencies", []))
+    for extra in IMAGE_EXTRAS:
+        direct += project.get("optional-dependencies", {})[extra]
+    wanted = [(d["name"], tuple(d.get("extra", ()))) for d in direct]
     seen: set[str] = set()
     while wanted:
         name, extras = wanted.pop()
