@@ -81,7 +81,12 @@ lock:
 	  | $(LOCK_VENV)/bin/uv pip compile --quiet --universal --generate-hashes --python-version 3.11 \
 	    $(LOCK_ARGS) --output-file requirements/build.txt -
 
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 # The reliability suite at full size: every scenario at 10,000 keys, then all nemeses at
