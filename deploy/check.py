@@ -54,7 +54,7 @@ RENDERED_CHECKS: list[tuple[str, Check]] = [
         pods.check_settings,
     ),
     (
-        "cronjobs: produce, reconcile and reconcile --full, Forbid, schedule, time zone",
+        "cronjobs: produce, reconcile, reconcile --full and maintain, Forbid, schedule, time zone",
         workloads.check_cronjobs,
     ),
     (
@@ -169,6 +169,11 @@ REFUSALS = [
         "a NetworkPolicy egress target without ports",
         {"networkPolicy": {"egress": {"postgresql": {"ports": []}}}},
         "/networkPolicy/egress/postgresql/ports",
+    ),
+    Refusal(
+        "maintain in dry-run (it would never make the partitions ahead)",
+        {"maintain": {"extraArgs": ["--json", "--dry-run"]}},
+        "maintain.extraArgs must not hold --dry-run",
     ),
     Refusal(
         "KEDA scaling to zero",

@@ -8,6 +8,7 @@
 | produce   | nothing                                      | NATS, PostgreSQL                  |
 | reconcile | nothing                                      | NATS, PostgreSQL, gateway         |
 | migrate   | nothing                                      | PostgreSQL                        |
+| maintain  | nothing                                      | PostgreSQL                        |
 
 The ports each target needs are read from the settings where they can be (`NATS_URL`,
 `SCORING_URL`, `GATEWAY_URL`; `DATABASE_URL` is a secret: its port is the values'). Each
@@ -29,6 +30,7 @@ EGRESS = {
     "produce": ("nats", "postgresql"),
     "reconcile": ("nats", "postgresql", "gateway"),
     "migrate": ("postgresql",),
+    "maintain": ("postgresql",),
 }
 URL_OF = {"nats": "NATS_URL", "gateway": "GATEWAY_URL", "scoring": "SCORING_URL"}
 DEFAULT_PORTS = {"nats": 4222, "tls": 4222, "http": 80, "https": 443}

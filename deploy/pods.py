@@ -9,17 +9,22 @@ from typing import Any
 
 from deploy import catalog
 from deploy.rendered import Pod, Rendered, env_of, secret_ref
+from deploy.workloads import schema_owner
 
 # Which secrets each component gets, and no others (least privilege: produce never sees the
-# gateway key, only the receiver sees the webhook signing secrets, the migration hook gets
-# the schema owner's DSN under DATABASE_URL).
+# gateway key, only the receiver sees the webhook signing secrets, the migration hook and
+# maintain get the schema owner's DSN under DATABASE_URL).
 SECRETS_OF = {
     "worker": {"DATABASE_URL", "GATEWAY_API_KEY"},
     "webhooks": {"DATABASE_URL", "GATEWAY_API_KEY", "CHARGE_WORKER_WEBHOOK_SECRETS"},
     "produce": {"DATABASE_URL"},
     "reconcile": {"DATABASE_URL", "GATEWAY_API_KEY"},
     "migrate": {"DATABASE_URL"},
+    "maintain": {"DATABASE_URL"},
 }
+# The components that make and drop tables: their DATABASE_URL is the schema owner's (the
+# migration hook's Secret and key); every other pod's is the worker's least-privilege role.
+SCHEMA_OWNER = frozenset({"migrate", "maintain"})
 # What each command refuses to start without (its `require(...)` calls, and the receiver's
 # "no secret, no start"): the pod's environment must set every one, by value or reference.
 NEEDS = {
@@ -28,6 +33,7 @@ NEEDS = {
     "produce": {"NATS_URL", "DATABASE_URL"},
     "reconcile": {"NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY"},
     "migrate": {"DATABASE_URL"},
+    "maintain": {"DATABASE_URL"},
 }
 
 
@@ -99,6 +105,10 @@ def check_secrets(rendered: Rendered) -> list[str]:
     for key in sorted(secret_names & set(rendered.settings)):
         problems.append(f"ConfigMap: holds the secret setting {key}")
     existing = rendered.values["secrets"]["existingSecret"]
+    roles = {
+        "the schema owner": schema_owner(rendered),
+        "the worker role": (existing, rendered.values["secrets"]["databaseUrlKey"]),
+    }
     for pod in rendered.pods():
         wanted = SECRETS_OF.get(pod.component)
         if wanted is None:
@@ -117,10 +127,16 @@ def check_secrets(rendered: Rendered) -> list[str]:
                 )
             for entry in env.values():
                 ref = secret_ref(entry)
-                if ref and pod.component != "migrate" and ref[0] != existing:
+                if ref and pod.component not in SCHEMA_OWNER and ref[0] != existing:
                     problems.append(
                         f"{where}: {entry['name']} from Secret {ref[0]}, not {existing}"
                     )
+            role = "the schema owner" if pod.component in SCHEMA_OWNER else "the worker role"
+            database = secret_ref(env.get("DATABASE_URL"))
+            if database is not None and database != roles[role]:
+                problems.append(
+                    f"{where}: DATABASE_URL from {database}, not {role}'s {roles[role]}"
+                )
     return problems
 
 

@@ -74,18 +74,20 @@ def probe_problems(container: dict[str, Any], ports: dict[str, int]) -> list[str
 
 
 def check_cronjobs(rendered: Rendered) -> list[str]:
-    """produce daily, reconcile every 15 min and `reconcile --full` daily, never
-    overlapping, in a set time zone; the full sweep runs reconcile's pods."""
+    """produce daily, reconcile every 15 min, `reconcile --full` and maintain daily, never
+    overlapping, in a set time zone, each in the pods its NetworkPolicy and secrets are for
+    (the full sweep in reconcile's); maintain as the schema owner, talking to PostgreSQL only."""
     reconcile = rendered.values["reconcile"]
     full = {**reconcile, **reconcile["full"]}
     full["enabled"] = reconcile["enabled"] and reconcile["full"]["enabled"]
     jobs = (
-        ("produce", rendered.values["produce"], ["produce"]),
-        ("reconcile", reconcile, ["reconcile"]),
-        ("reconcile-full", full, ["reconcile", "--full"]),
+        ("produce", rendered.values["produce"], ["produce"], "produce"),
+        ("reconcile", reconcile, ["reconcile"], "reconcile"),
+        ("reconcile-full", full, ["reconcile", "--full"], "reconcile"),
+        ("maintain", rendered.values["maintain"], ["maintain"], "maintain"),
     )
     problems = []
-    for component, values, command in jobs:
+    for component, values, command, pods in jobs:
         cron = rendered.only("CronJob", component)
         if not values["enabled"]:
             if cron is not None:
@@ -94,11 +96,13 @@ def check_cronjobs(rendered: Rendered) -> list[str]:
         if cron is None:
             problems.append(f"no {component} CronJob rendered")
             continue
-        problems += _cronjob(cron, values, command)
+        problems += _cronjob(cron, values, command, pods)
+        if component == "maintain":
+            problems += _maintain(rendered, cron)
     return problems
 
 
-def _cronjob(cron: Manifest, values: dict[str, Any], command: list[str]) -> list[str]:
+def _cronjob(cron: Manifest, values: dict[str, Any], command: list[str], pods: str) -> list[str]:
     problems = []
     spec = cron.obj["spec"]
     for field, want in (
@@ -117,13 +121,45 @@ def _cronjob(cron: Manifest, values: dict[str, Any], command: list[str]) -> list
         problems.append(f"CronJob/{cron.name}: args {args} do not start with {command}")
     if pod.get("restartPolicy") not in {"Never", "OnFailure"}:
         problems.append(f"CronJob/{cron.name}: restartPolicy {pod.get('restartPolicy')}")
+    # its NetworkPolicy and secrets are chosen by this label
+    component = template["metadata"]["labels"].get(COMPONENT)
+    if component != pods:
+        problems.append(f"CronJob/{cron.name}: its pods are {component!r}, not {pods!r}")
     if command[0] == "reconcile":
-        # its NetworkPolicy and secrets are reconcile's, chosen by this label
-        component = template["metadata"]["labels"].get(COMPONENT)
-        if component != "reconcile":
-            problems.append(f"CronJob/{cron.name}: its pods are {component!r}, not 'reconcile'")
         problems += _metrics_file(cron.name, values["metricsFile"], pod, args)
     return problems
+
+
+def _maintain(rendered: Rendered, cron: Manifest) -> list[str]:
+    """maintain makes and drops tables: the schema owner's DSN (the migration hook's), a real
+    run (a dry run never makes the partitions ahead), and nothing of NATS."""
+    where = f"CronJob/{cron.name}"
+    pod = cron.obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    problems = []
+    if "--dry-run" in (container.get("args") or []):
+        problems.append(f"{where}: --dry-run makes no partition, and writes fail a year later")
+    owner = schema_owner(rendered)
+    ref = secret_ref(env_of(container).get("DATABASE_URL"))
+    if ref != owner:
+        problems.append(f"{where}: DATABASE_URL from {ref}, not the schema owner's {owner}")
+    nats_volumes = [v["name"] for v in pod.get("volumes", []) if _is_nats_credentials(rendered, v)]
+    if "CHARGE_WORKER_NATS_CREDS_FILE" in env_of(container) or nats_volumes:
+        problems.append(f"{where}: gets the NATS credentials, and never talks to NATS")
+    return problems
+
+
+def schema_owner(rendered: Rendered) -> tuple[str, str]:
+    """(Secret, key) of the schema owner's DSN: the migration hook's, for maintain too."""
+    migrate = rendered.values["migrate"]
+    secret = migrate["existingSecret"] or rendered.values["secrets"]["existingSecret"]
+    return secret, migrate["databaseUrlKey"]
+
+
+def _is_nats_credentials(rendered: Rendered, volume: dict[str, Any]) -> bool:
+    wanted = rendered.values["natsCredentials"]["existingSecret"]
+    secret = (volume.get("secret") or {}).get("secretName")
+    return volume["name"] == "nats-credentials" or (bool(wanted) and secret == wanted)
 
 
 def _metrics_file(
@@ -177,12 +213,10 @@ def check_migrate_hook(rendered: Rendered) -> list[str]:
         problems.append(
             f"Job/{job.name}: envFrom needs objects a first install has not created yet"
         )
-    secret = values["existingSecret"] or rendered.values["secrets"]["existingSecret"]
     ref = secret_ref(env_of(container).get("DATABASE_URL"))
-    if ref != (secret, values["databaseUrlKey"]):
+    if ref != schema_owner(rendered):
         problems.append(
-            f"Job/{job.name}: DATABASE_URL from {ref}, "
-            f"expected {(secret, values['databaseUrlKey'])}"
+            f"Job/{job.name}: DATABASE_URL from {ref}, expected {schema_owner(rendered)}"
         )
     own_account = [m.name for m in rendered.of_kind("ServiceAccount")]
     if pod.get("serviceAccountName") in own_account:

@@ -21,7 +21,7 @@ pytest.importorskip("jsonschema", reason=_WHY)
 pytest.importorskip("yaml", reason=_WHY)
 
 from deploy.chart import Manifest, RenderError  # noqa: E402
-from deploy.rendered import COMPONENT, Rendered  # noqa: E402
+from deploy.rendered import COMPONENT, Rendered, secret_ref  # noqa: E402
 
 from deploy import (  # noqa: E402
     catalog,
@@ -115,7 +115,7 @@ def _policy(rendered: Rendered, component: str) -> dict[str, Any]:
 def test_every_pod_has_a_network_policy_of_both_types(value_set: str) -> None:
     rendered = rendered_for(value_set)
     components = {p.component for p in rendered.pods()}
-    assert components == {"worker", "webhooks", "produce", "reconcile", "migrate"}
+    assert components == {"worker", "webhooks", "produce", "reconcile", "migrate", "maintain"}
     for component in components:
         assert _policy(rendered, component)["policyTypes"] == ["Ingress", "Egress"]
 
@@ -132,7 +132,7 @@ def test_only_the_ingress_controller_and_monitoring_reach_the_receiver() -> None
         ("monitoring", {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}),
     ]
     assert rule["ports"] == [{"port": 8443, "protocol": "TCP"}]
-    for component in ("produce", "reconcile", "migrate"):
+    for component in ("produce", "reconcile", "migrate", "maintain"):
         assert _policy(rendered, component)["ingress"] == []
 
 
@@ -448,6 +448,75 @@ def _full_sweep_outside_reconciles_policy(r: Rendered) -> None:
     template["metadata"]["labels"][COMPONENT] = "reconcile-full"
 
 
+def _maintain_template(r: Rendered) -> dict[str, Any]:
+    template: dict[str, Any] = _find(r, "CronJob", "maintain")["spec"]["jobTemplate"]["spec"]
+    return template["template"]
+
+
+def _overlapping_maintain(r: Rendered) -> None:
+    _find(r, "CronJob", "maintain")["spec"]["concurrencyPolicy"] = "Allow"
+
+
+def _maintain_in_dry_run(r: Rendered) -> None:
+    _container(r, "maintain")["args"].append("--dry-run")
+
+
+def _maintain_as_the_worker_role(r: Rendered) -> None:
+    entry = _env(r, "maintain", "DATABASE_URL")
+    entry["valueFrom"] = copy.deepcopy(_env(r, "worker", "DATABASE_URL")["valueFrom"])
+
+
+def _worker_as_the_schema_owner(r: Rendered) -> None:
+    entry = _env(r, "worker", "DATABASE_URL")
+    entry["valueFrom"] = copy.deepcopy(_env(r, "maintain", "DATABASE_URL")["valueFrom"])
+
+
+def _maintain_gets_the_gateway_key(r: Rendered) -> None:
+    _container(r, "maintain")["env"].append(copy.deepcopy(_env(r, "worker", "GATEWAY_API_KEY")))
+
+
+def _maintain_gets_nats_credentials(r: Rendered) -> None:
+    _container(r, "maintain")["env"].append(
+        copy.deepcopy(_env(r, "worker", "CHARGE_WORKER_NATS_CREDS_FILE"))
+    )
+
+
+def _maintain_mounts_nats_credentials(r: Rendered) -> None:
+    worker = _pod(r, "worker")
+    volume = next(v for v in worker["volumes"] if v["name"] == "nats-credentials")
+    _pod(r, "maintain")["volumes"].append(copy.deepcopy(volume))
+
+
+def _maintain_outside_its_policy(r: Rendered) -> None:
+    _maintain_template(r)["metadata"]["labels"][COMPONENT] = "migrate"
+
+
+def _maintain_writable_root(r: Rendered) -> None:
+    _container(r, "maintain")["securityContext"]["readOnlyRootFilesystem"] = False
+
+
+def _maintain_with_the_token(r: Rendered) -> None:
+    _pod(r, "maintain")["automountServiceAccountToken"] = True
+
+
+def _maintain_unbounded(r: Rendered) -> None:
+    del _container(r, "maintain")["resources"]["limits"]["memory"]
+
+
+def _no_policy_for_maintain(r: Rendered) -> None:
+    r.manifests.remove(
+        next(m for m in r.of_kind("NetworkPolicy") if m.name.endswith("-maintain-network"))
+    )
+
+
+def _maintain_reaches_nats(r: Rendered) -> None:
+    _policy(r, "maintain")["egress"].append({"ports": [{"port": 4222, "protocol": "TCP"}]})
+
+
+def _maintain_reaches_the_gateway(r: Rendered) -> None:
+    _policy(r, "maintain")["egress"].append({"ports": [{"port": 443, "protocol": "TCP"}]})
+
+
 def _migrate_after_install(r: Rendered) -> None:
     _find(r, "Job", "migrate")["metadata"]["annotations"]["helm.sh/hook"] = "post-install"
 
@@ -534,6 +603,21 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_overlapping_full_sweep, workloads.check_cronjobs, "reconcile-full: concurrencyPolicy"),
     (_full_sweep_that_is_not_full, workloads.check_cronjobs, "do not start with ['reconcile', '"),
     (_full_sweep_outside_reconciles_policy, workloads.check_cronjobs, "not 'reconcile'"),
+    (_overlapping_maintain, workloads.check_cronjobs, "maintain: concurrencyPolicy is 'Allow'"),
+    (_maintain_in_dry_run, workloads.check_cronjobs, "--dry-run makes no partition"),
+    (_maintain_as_the_worker_role, pods.check_secrets, "DATABASE_URL from"),
+    (_maintain_as_the_worker_role, workloads.check_cronjobs, "not the schema owner's"),
+    (_worker_as_the_schema_owner, pods.check_secrets, "container worker: DATABASE_URL from"),
+    (_maintain_gets_the_gateway_key, pods.check_secrets, "should get ['DATABASE_URL']"),
+    (_maintain_gets_nats_credentials, workloads.check_cronjobs, "never talks to NATS"),
+    (_maintain_mounts_nats_credentials, workloads.check_cronjobs, "never talks to NATS"),
+    (_maintain_outside_its_policy, workloads.check_cronjobs, "not 'maintain'"),
+    (_maintain_writable_root, pods.check_security, "maintain: readOnlyRootFilesystem is not"),
+    (_maintain_with_the_token, pods.check_security, "the service account token is mounted"),
+    (_maintain_unbounded, pods.check_resources, "maintain: no limits for memory"),
+    (_no_policy_for_maintain, network.check_network_policy, "no NetworkPolicy for the maintain"),
+    (_maintain_reaches_nats, network.check_network_policy, "which maintain never uses"),
+    (_maintain_reaches_the_gateway, network.check_network_policy, "[('TCP', 443)] (protocol"),
     (_migrate_after_install, workloads.check_migrate_hook, "expected pre-install and pre-upgrade"),
     (_migrate_reads_the_configmap, workloads.check_migrate_hook, "envFrom"),
     (_service_misses_pods, wiring.check_wiring, "does not select the worker pods"),
@@ -582,7 +666,11 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_lag_threshold_a_number, workloads.check_scaling, "not strings (KEDA requires)"),
     (_keda_reads_another_consumer, workloads.check_scaling, "is not CHARGE_WORKER_DURABLE"),
     (_no_policy_for_produce, network.check_network_policy, "no NetworkPolicy for the produce"),
-    (_policy_selects_every_pod, network.check_network_policy, "selects the pods of ['migrate',"),
+    (
+        _policy_selects_every_pod,
+        network.check_network_policy,
+        "selects the pods of ['maintain', 'migrate',",
+    ),
     (_receiver_open_to_all, network.check_network_policy, "lets in any source"),
     (
         _metrics_from_anywhere_in_the_cluster,
@@ -705,5 +793,57 @@ def test_the_full_sweep_can_be_left_out() -> None:
     chart.merge(values, {"reconcile": {"full": {"enabled": False}}})
     rendered = Rendered(chart.render(values), chart.coalesced(values))
     components = {m.obj["metadata"]["labels"][COMPONENT] for m in rendered.of_kind("CronJob")}
-    assert components == {"produce", "reconcile"}
+    assert components == {"produce", "reconcile", "maintain"}
     assert workloads.check_cronjobs(rendered) == []
+
+
+# The daily maintenance: `charge_events`' partitions ahead made, expired ones dropped.
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_maintain_runs_daily_as_the_schema_owner(value_set: str) -> None:
+    """On by default (without it writes fail once the last partition ahead is past), daily,
+    off the quarter hours and off the full sweep, never two at once; DATABASE_URL is the
+    migration hook's (it makes and drops tables), and nothing else secret."""
+    rendered = rendered_for(value_set)
+    values = rendered.values["maintain"]
+    assert values["enabled"] is True
+    spec = _find(rendered, "CronJob", "maintain")["spec"]
+    assert (spec["schedule"], spec["timeZone"]) == (values["schedule"], values["timeZone"])
+    assert spec["concurrencyPolicy"] == "Forbid"
+    minute, hour, *every_day = spec["schedule"].split()
+    assert every_day == ["*", "*", "*"]
+    assert int(minute) % 15 != 0
+    assert hour.isdigit()
+    assert spec["schedule"] != rendered.values["reconcile"]["full"]["schedule"]
+    assert spec["jobTemplate"]["spec"]["activeDeadlineSeconds"] == values["activeDeadlineSeconds"]
+    container = _container(rendered, "maintain")
+    assert container["args"][0] == "maintain"
+    assert "--dry-run" not in container["args"]
+    migrate = rendered.values["migrate"]
+    owner = migrate["existingSecret"] or rendered.values["secrets"]["existingSecret"]
+    assert secret_ref(_env(rendered, "maintain", "DATABASE_URL")) == (
+        owner,
+        migrate["databaseUrlKey"],
+    )
+    names = {entry["name"] for entry in container["env"]}
+    assert names.isdisjoint({"GATEWAY_API_KEY", "CHARGE_WORKER_NATS_CREDS_FILE"})
+    volumes = {v["name"] for v in _pod(rendered, "maintain")["volumes"]}
+    assert "nats-credentials" not in volumes
+
+
+def test_maintain_may_reach_only_postgresql_and_dns() -> None:
+    egress = _policy(rendered_for("defaults"), "maintain")["egress"]
+    ports = {(p["protocol"], p["port"]) for rule in egress for p in rule["ports"]}
+    assert ports == {("TCP", 5432), ("UDP", 53), ("TCP", 53)}
+
+
+def test_maintain_can_be_left_out() -> None:
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(values, {"maintain": {"enabled": False}})
+    rendered = Rendered(chart.render(values), chart.coalesced(values))
+    components = {m.obj["metadata"]["labels"][COMPONENT] for m in rendered.of_kind("CronJob")}
+    assert components == {"produce", "reconcile", "reconcile-full"}
+    assert rendered.only("NetworkPolicy", "maintain") is None
+    assert workloads.check_cronjobs(rendered) == []
+    assert network.check_network_policy(rendered) == []

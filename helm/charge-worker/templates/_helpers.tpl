@@ -35,8 +35,8 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* Labels of every object; `component` is worker, webhooks, produce, reconcile, migrate
-     or monitoring. The selector labels differ by component, so no Service, PDB or
+{{/* Labels of every object; `component` is worker, webhooks, produce, reconcile, migrate,
+     maintain or monitoring. The selector labels differ by component, so no Service, PDB or
      ServiceMonitor of one workload selects another's pods. */}}
 {{- define "charge-worker.labels" -}}
 helm.sh/chart: {{ include "charge-worker.chart" .ctx }}
@@ -109,7 +109,9 @@ falling back to charge-worker's default when it is unset.
 {{/*
 Secrets, by reference only. `keys` lists what a component gets: of the shared Secret's keys
 "databaseUrl" (DATABASE_URL), "gatewayApiKey" (GATEWAY_API_KEY), "webhookSecrets"
-(CHARGE_WORKER_WEBHOOK_SECRETS); "natsCredentials" for the NATS credentials file, when set.
+(CHARGE_WORKER_WEBHOOK_SECRETS); "ownerDatabaseUrl" (DATABASE_URL too, but the schema owner's:
+the migration hook's migrate.existingSecret / migrate.databaseUrlKey); "natsCredentials" for
+the NATS credentials file, when set.
 */}}
 {{- define "charge-worker.secretEnv" -}}
 {{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
@@ -119,6 +121,13 @@ Secrets, by reference only. `keys` lists what a component gets: of the shared Se
     secretKeyRef:
       name: {{ $secret }}
       key: {{ .ctx.Values.secrets.databaseUrlKey }}
+{{- end }}
+{{- if has "ownerDatabaseUrl" .keys }}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ default $secret .ctx.Values.migrate.existingSecret }}
+      key: {{ .ctx.Values.migrate.databaseUrlKey }}
 {{- end }}
 {{- if has "gatewayApiKey" .keys }}
 - name: GATEWAY_API_KEY
@@ -146,32 +155,42 @@ Secrets, by reference only. `keys` lists what a component gets: of the shared Se
 {{/* Volumes of the pods that talk to NATS: a writable /tmp (the root filesystem is
      read-only), the NATS credentials file when configured, and extraVolumes. */}}
 {{- define "charge-worker.volumes" -}}
+{{- include "charge-worker.podVolumes" (dict "ctx" . "nats" true) }}
+{{- end }}
+
+{{- define "charge-worker.volumeMounts" -}}
+{{- include "charge-worker.podVolumeMounts" (dict "ctx" . "nats" true) }}
+{{- end }}
+
+{{/* The same for any pod: the NATS credentials file only when `nats` (a pod that never
+     talks to NATS does not get it mounted). */}}
+{{- define "charge-worker.podVolumes" -}}
 - name: tmp
   emptyDir:
-    sizeLimit: {{ .Values.tmpVolume.sizeLimit }}
-{{- if .Values.natsCredentials.existingSecret }}
+    sizeLimit: {{ .ctx.Values.tmpVolume.sizeLimit }}
+{{- if and .nats .ctx.Values.natsCredentials.existingSecret }}
 - name: nats-credentials
   secret:
-    secretName: {{ .Values.natsCredentials.existingSecret }}
+    secretName: {{ .ctx.Values.natsCredentials.existingSecret }}
     defaultMode: 0440
     items:
-      - key: {{ .Values.natsCredentials.key }}
-        path: {{ .Values.natsCredentials.key }}
+      - key: {{ .ctx.Values.natsCredentials.key }}
+        path: {{ .ctx.Values.natsCredentials.key }}
 {{- end }}
-{{- with .Values.extraVolumes }}
+{{- with .ctx.Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
 
-{{- define "charge-worker.volumeMounts" -}}
+{{- define "charge-worker.podVolumeMounts" -}}
 - name: tmp
   mountPath: /tmp
-{{- if .Values.natsCredentials.existingSecret }}
+{{- if and .nats .ctx.Values.natsCredentials.existingSecret }}
 - name: nats-credentials
-  mountPath: {{ .Values.natsCredentials.mountPath }}
+  mountPath: {{ .ctx.Values.natsCredentials.mountPath }}
   readOnly: true
 {{- end }}
-{{- with .Values.extraVolumeMounts }}
+{{- with .ctx.Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
@@ -299,12 +318,14 @@ less the groups in metrics.prometheusRule.excludeGroups.
 {{- end }}
 
 {{/*
-The pod template of a CronJob's Jobs. `job` is the CronJob's values (produce or reconcile),
-`args` the command line, `keys` the Secret keys it gets, `volumes`/`mounts` extra ones.
+The pod template of a CronJob's Jobs. `job` is the CronJob's values (produce, reconcile or
+maintain), `args` the command line, `keys` the Secret keys it gets (see secretEnv; the NATS
+credentials file is mounted only with "natsCredentials"), `volumes`/`mounts` extra ones.
 */}}
 {{- define "charge-worker.cronJobTemplate" -}}
 {{- $ctx := .ctx }}
 {{- $job := .job }}
+{{- $nats := has "natsCredentials" .keys }}
 metadata:
   labels:
     {{- include "charge-worker.labels" (dict "ctx" $ctx "component" .component) | trim | nindent 4 }}
@@ -338,12 +359,12 @@ spec:
           securityContext:
             {{- toYaml $ctx.Values.securityContext | nindent 12 }}
           volumeMounts:
-            {{- include "charge-worker.volumeMounts" $ctx | trim | nindent 12 }}
+            {{- include "charge-worker.podVolumeMounts" (dict "ctx" $ctx "nats" $nats) | trim | nindent 12 }}
             {{- with .mounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
-        {{- include "charge-worker.volumes" $ctx | trim | nindent 8 }}
+        {{- include "charge-worker.podVolumes" (dict "ctx" $ctx "nats" $nats) | trim | nindent 8 }}
         {{- with .volumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
