@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import math
 import sys
@@ -46,6 +47,10 @@ QUIET_S = 30.0  # the quiet time of the drain's reconcile runs: shorter than the
 PAGE = 100  # charges per history page
 SAMPLE_S = 1.0
 DRAIN_TIMEOUT_S = 3600.0
+HISTORY = 1_000_000  # charges in the gateway's history for the steady reconcile
+NEW = 10_000  # charges made since its last run
+RATE_LIMIT = 200.0  # the fleet's gateway rate in the limited drain
+LIMITED_CHARGES = 20_000
 HISTORY_AGE_S = 3600  # the month's history is older than the overlap a later run reads again
 
 
@@ -111,6 +116,35 @@ class MonthStart:
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def lines(self) -> list[str]:
+        """The figures the issue asks for, as the report prints them."""
+        p, d, r = self.produce, self.drain, self.reconcile
+        out = [
+            f"month start, {self.charges:,} due charges:",
+            f"  produce {p['produce_s']:.1f} s, {p['produce_rows_per_s']:,.0f} rows/s, "
+            f"peak RSS {p['produce_peak_rss_mb']:.0f} MB",
+            f"  drain by 2 workers {d['drain_s']:.1f} s ({d['drain_per_s']:,.0f}/s), "
+            f"{d['reconcile_runs']} reconcile runs, re-published while queued "
+            f"{d['republished_while_queued']}",
+            "  bytes per charge: "
+            + ", ".join(f"{k} {v:,.0f}" for k, v in self.bytes_per_charge.items()),
+        ]
+        if self.limited:
+            lim = self.limited
+            out.append(
+                f"  limited to {RATE_LIMIT:g}/s: gateway per second p50 "
+                f"{lim['gateway_per_s_p50']:.0f}, max {lim['gateway_per_s_max']}, "
+                f"429s {lim['gateway_429']}, re-published while queued "
+                f"{lim['republished_while_queued']}"
+            )
+        out.append(
+            f"  steady reconcile, {r['history']:,} in history and {r['new']:,} new: "
+            f"{r['second_run_gateway_requests']} gateway requests for {r['new_activity_pages']} "
+            f"pages of new activity, {r['second_run_s']:.1f} s, peak RSS "
+            f"{r['second_run_peak_rss_mb']:.0f} MB"
+        )
+        return out
+
 
 async def _subscriptions(url: str, first: int, count: int) -> None:
     conn = await asyncpg.connect(url)
@@ -122,7 +156,7 @@ async def _subscriptions(url: str, first: int, count: int) -> None:
                  FROM generate_series($1::bigint, $2::bigint) AS n""",
             first,
             first + count - 1,
-            PERIOD,
+            dt.date.fromisoformat(PERIOD),
         )
     finally:
         await conn.close()
@@ -323,8 +357,8 @@ async def _load(stack: Stack, url: str, first: int, count: int, *, age_s: int = 
             """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
                    subscription_id, customer_id, amount_minor, currency, status,
                    gateway_charge_id, attempt, gateway_calls, settled_at)
-               SELECT n, $3::date, n || ':' || $3, 'sub_' || n, 'cus_bench_' || n, 99000,
-                      'RUB', 'succeeded', 'ch_load_' || n || '_' || $3, 1, 1,
+               SELECT n, $3::text::date, n || ':' || $3::text, 'sub_' || n, 'cus_bench_' || n,
+                      99000, 'RUB', 'succeeded', 'ch_load_' || n || '_' || $3::text, 1, 1,
                       now() - make_interval(secs => $4)
                  FROM generate_series($1::bigint, $2::bigint) AS n""",
             first,
@@ -407,10 +441,10 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.month_start", description=__doc__)
     parser.add_argument("--charges", type=int, default=100_000)
-    parser.add_argument("--history", type=int, default=1_000_000)
-    parser.add_argument("--new", type=int, default=10_000)
-    parser.add_argument("--rate-limit", type=float, default=200.0)
-    parser.add_argument("--limited-charges", type=int, default=20_000)
+    parser.add_argument("--history", type=int, default=HISTORY)
+    parser.add_argument("--new", type=int, default=NEW)
+    parser.add_argument("--rate-limit", type=float, default=RATE_LIMIT)
+    parser.add_argument("--limited-charges", type=int, default=LIMITED_CHARGES)
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/month_start"))
     args = parser.parse_args(argv)

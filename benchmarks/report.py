@@ -10,6 +10,7 @@ from typing import Any
 from benchmarks.drain import Drained
 from benchmarks.latency_bound import INCIDENT_SCORING, SCORING, bound, mean_latency_s
 from benchmarks.memory import MemoryResult
+from benchmarks.month_start import MonthStart
 from benchmarks.profiling import Profile
 from benchmarks.stats import Summary, Target, median, ratio
 
@@ -36,6 +37,7 @@ class Results:
     incident: list[Drained] = field(default_factory=list)
     scale_out: list[Drained] = field(default_factory=list)
     memory: MemoryResult | None = None
+    month_start: MonthStart | None = None
     profiles: dict[str, tuple[Drained, Profile]] = field(default_factory=dict)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks import latency_bound, memory, profiling, report, throughput
+from benchmarks import latency_bound, memory, month_start, profiling, report, throughput
 from benchmarks.bench import DEFAULT, QUICK, ROOT, Bench, Sizes
 from benchmarks.stack import Stack
 from benchmarks.stats import median
@@ -32,7 +32,8 @@ RUN_BUDGET_S = 540.0  # the whole default run, start to JSON, stays under 10 min
 QUICK_BUDGET_S = 300.0
 MEMORY_RESERVE_S = 25.0  # publishing, start-up and stopping around the memory drain
 PUBLISH_PER_S = 15_000.0  # backlog publishing speed, for the memory case's budget
-CASES = ("throughput", "latency", "profile", "memory")
+CASES = ("throughput", "latency", "profile", "memory", "month-start")
+DEFAULT_CASES = CASES[:4]  # month-start takes ~15 minutes of its own: asked for by name
 PACKAGES = (
     "charge-worker",
     "nats-py",
@@ -62,7 +63,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller N")
     parser.add_argument("--repeats", type=int, help="samples per case")
-    parser.add_argument("--only", nargs="+", choices=CASES, help="run only these cases")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=CASES,
+        help=f"run only these cases (default: {' '.join(DEFAULT_CASES)})",
+    )
+    parser.add_argument(
+        "--month-start-charges",
+        type=int,
+        default=100_000,
+        help="month-start: due charges produced and drained (100000; 1000000 for the docs)",
+    )
     parser.add_argument("--memory-messages", type=int, help="memory case goal (100000)")
     parser.add_argument(
         "--memory-budget-s",
@@ -134,7 +146,13 @@ async def server_versions(stack: Stack) -> dict[str, str]:
 
 
 async def run_cases(
-    bench: Bench, only: set[str], budget_s: float, *, trace_memory: bool = False
+    bench: Bench,
+    only: set[str],
+    budget_s: float,
+    *,
+    out: Path,
+    trace_memory: bool = False,
+    month_start_charges: int = 100_000,
 ) -> report.Results:
     sizes = bench.sizes
     probe = bench.settings("postgresql://unused/x")
@@ -178,6 +196,21 @@ async def run_cases(
         )
         bench.sizes = dataclasses.replace(sizes, memory_budget_s=memory_budget)
         results.memory = await memory.memory_case(bench, rate, trace=trace_memory)
+    if "month-start" in only:
+        step += 1
+        bench.say(f"== case group {step}/{case_count}: month start")
+        results.month_start = await month_start.month_start(
+            bench.stack,
+            ROOT,
+            bench.log_dir,
+            charges=month_start_charges,
+            history=month_start.HISTORY,
+            new=month_start.NEW,
+            rate_limit=month_start.RATE_LIMIT,
+            limited_charges=month_start.LIMITED_CHARGES,
+            png=out.parent / "month_start.png",
+            say=bench.say,
+        )
     return results
 
 
@@ -218,6 +251,7 @@ def record(
             "incident": samples(results.incident),
             "scale_out": samples(results.scale_out),
             "memory": results.memory.as_json() if results.memory else None,
+            "month_start": results.month_start.as_json() if results.month_start else None,
             "profiles": {
                 which: {"drained": drained.as_json(), "profile": profile.as_json()}
                 for which, (drained, profile) in results.profiles.items()
@@ -240,7 +274,7 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
         sizes = dataclasses.replace(sizes, memory_budget_s=args.memory_budget_s)
         if args.budget_s is None:  # an explicit memory budget is not cut to the run's
             budget_s = math.inf
-    only = set(args.only or CASES)
+    only = set(args.only or DEFAULT_CASES)
     async with httpx.AsyncClient(timeout=10.0) as http:
         bench = Bench(stack, http, sizes, log_dir)
         bench.say(f"stack: nats {stack.nats_url}, postgres {stack.admin_url}")
@@ -258,7 +292,14 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
         }
         bench.say(f"versions: {meta['servers']}, python {platform.python_version()}")
         try:
-            results = await run_cases(bench, only, budget_s, trace_memory=args.trace_memory)
+            results = await run_cases(
+                bench,
+                only,
+                budget_s,
+                out=args.out,
+                trace_memory=args.trace_memory,
+                month_start_charges=args.month_start_charges,
+            )
         finally:
             for consumers in list(bench.live):
                 consumers.kill()
@@ -272,6 +313,7 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
         *report.ratio_lines(found),
         *report.profile_lines(results),
         *report.heap_lines(results),
+        *(results.month_start.lines() if results.month_start else []),
     ]
     print("\n" + "\n".join(lines), flush=True)
     meta["wall_s"] = wall_s
