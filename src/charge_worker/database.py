@@ -18,7 +18,14 @@ from charge_worker.errors import DependencyUnavailable, UnstorableValue
 from charge_worker.settings import DbSettings, require
 
 PROBE_TIMEOUT_S = 2.0
-DRIVER_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+# InternalClientError: a pooled connection whose server died mid-operation ("cannot switch
+# to state …"); it is the driver's, not a bug of ours, and passes like the others.
+DRIVER_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
 
 
 @contextlib.asynccontextmanager
