@@ -146,7 +146,14 @@ class Consumers(Protocol):
 
 
 class _Worker(WorkerProcess):
-    """The demo's worker process, with the pid the CPU meter needs."""
+    """The demo's worker process, with the pid the CPU meter needs, and `env` added to what
+    it inherits (the `OTEL_*` variables of the tracing case)."""
+
+    def __init__(
+        self, name: str, settings: Settings, log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(name, settings, log_dir)
+        self._env |= env or {}
 
     @property
     def pid(self) -> int:
@@ -157,9 +164,11 @@ class _Worker(WorkerProcess):
 class Workers:
     """`count` processes of `charge-worker run` with the same settings."""
 
-    def __init__(self, settings: Settings, log_dir: Path, count: int = 1) -> None:
+    def __init__(
+        self, settings: Settings, log_dir: Path, count: int = 1, env: dict[str, str] | None = None
+    ) -> None:
         self.settings = settings
-        self.procs = [_Worker(f"worker-{n}", settings, log_dir) for n in range(1, count + 1)]
+        self.procs = [_Worker(f"worker-{n}", settings, log_dir, env) for n in range(1, count + 1)]
 
     @property
     def pids(self) -> list[int]:

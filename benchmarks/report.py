@@ -13,6 +13,7 @@ from benchmarks.memory import MemoryResult
 from benchmarks.month_start import MonthStart
 from benchmarks.profiling import Profile
 from benchmarks.stats import Summary, Target, median, ratio
+from benchmarks.traces import TracingCost
 
 MIB = 1024 * 1024  # RSS is reported in binary megabytes
 GROUPS = ("consumer", "postgres", "gateway sim", "scoring sim", "nats-server", "harness")
@@ -38,6 +39,7 @@ class Results:
     scale_out: list[Drained] = field(default_factory=list)
     memory: MemoryResult | None = None
     month_start: MonthStart | None = None
+    tracing: TracingCost | None = None
     profiles: dict[str, tuple[Drained, Profile]] = field(default_factory=dict)
 
 
@@ -336,6 +338,10 @@ def _all_samples(results: Results) -> list[tuple[str, Drained]]:
     if results.memory is not None:
         named.append(("memory", results.memory.drained))
     named += [(f"profile {which}", drained) for which, (drained, _) in results.profiles.items()]
+    if results.tracing is not None:
+        for kind in ("off", "on"):
+            samples = getattr(results.tracing, kind)
+            named += [(f"tracing {kind} {k}", s) for k, s in enumerate(samples, start=1)]
     return named
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks import latency_bound, memory, month_start, profiling, report, throughput
+from benchmarks import latency_bound, memory, month_start, profiling, report, throughput, traces
 from benchmarks.bench import DEFAULT, QUICK, ROOT, Bench, Sizes
 from benchmarks.stack import Stack
 from benchmarks.stats import median
@@ -32,8 +32,8 @@ RUN_BUDGET_S = 540.0  # the whole default run, start to JSON, stays under 10 min
 QUICK_BUDGET_S = 300.0
 MEMORY_RESERVE_S = 25.0  # publishing, start-up and stopping around the memory drain
 PUBLISH_PER_S = 15_000.0  # backlog publishing speed, for the memory case's budget
-CASES = ("throughput", "latency", "profile", "memory", "month-start")
-DEFAULT_CASES = CASES[:4]  # month-start takes ~15 minutes of its own: asked for by name
+CASES = ("throughput", "latency", "profile", "tracing", "memory", "month-start")
+DEFAULT_CASES = CASES[:5]  # month-start takes ~15 minutes of its own: asked for by name
 PACKAGES = (
     "charge-worker",
     "nats-py",
@@ -183,6 +183,10 @@ async def run_cases(
         bench.say(f"== case group {step}/{case_count}: profiles at saturation (not timed)")
         for which in ("bare", "worker"):
             results.profiles[which] = await profiling.profile_sample(bench, which)
+    if "tracing" in only:
+        step += 1
+        bench.say(f"== case group {step}/{case_count}: tracing on (every span exported) vs off")
+        results.tracing = await traces.tracing_case(bench)
     if "memory" in only:
         step += 1
         rate = median([s.rate for s in results.worker]) if results.worker else 200.0
@@ -252,6 +256,7 @@ def record(
             "scale_out": samples(results.scale_out),
             "memory": results.memory.as_json() if results.memory else None,
             "month_start": results.month_start.as_json() if results.month_start else None,
+            "tracing": results.tracing.as_json() if results.tracing else None,
             "profiles": {
                 which: {"drained": drained.as_json(), "profile": profile.as_json()}
                 for which, (drained, profile) in results.profiles.items()
@@ -312,6 +317,7 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
         *report.check_lines(results),
         *report.ratio_lines(found),
         *report.profile_lines(results),
+        *(results.tracing.lines() if results.tracing else []),
         *report.heap_lines(results),
         *(results.month_start.lines() if results.month_start else []),
     ]

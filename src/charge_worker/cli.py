@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from charge_worker import event_loop, logs
+from charge_worker import event_loop, logs, tracing
 from charge_worker.display import printable
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.settings import Settings, load_settings
@@ -36,8 +36,13 @@ class _OneLineErrors(click.Group):
 
 
 def _settings() -> Settings:
+    """The settings, once; logs configured, and traces when the OTEL_* variables ask for
+    them (exported, and the exporter flushed, as the command ends)."""
     settings = load_settings()
     logs.configure(settings.log)
+    ctx = click.get_current_context()
+    tracing.setup(" ".join(ctx.command_path.split()[1:]))
+    ctx.call_on_close(tracing.shutdown)
     return settings
 
 
@@ -51,7 +56,8 @@ def main() -> None:
     """Charge each due subscription from NATS JetStream exactly once in effect.
 
     Settings come from the environment (then an optional .env): NATS_URL, DATABASE_URL,
-    GATEWAY_URL, GATEWAY_API_KEY, SCORING_URL and CHARGE_WORKER_*; see the README.
+    GATEWAY_URL, GATEWAY_API_KEY, SCORING_URL and CHARGE_WORKER_*; traces from the
+    standard OTEL_* variables (environment only); see the README.
     """
 
 

@@ -119,7 +119,12 @@ class Server(uvicorn.Server):
 
 def server(app: Starlette) -> Server:
     """A quiet uvicorn server for `app`, to be served on a socket bound by `listen`."""
-    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    # log_config=None: uvicorn's loggers keep the root's JSON handler (logs.configure)
+    # instead of the text handlers uvicorn would install on them
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", log_config=None
+    )
+    return Server(config)
 
 
 def listen(host: str, port: int, *, setting: str) -> socket.socket:

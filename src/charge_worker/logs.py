@@ -1,36 +1,95 @@
-"""structlog setup: JSON lines when not on a terminal, bound context per message.
+"""structlog setup: one line per event on stderr, JSON when not on a terminal, for every logger.
 
-Event names are stable `snake.case` (`charge.settled`, `migrate.applied`); each message gets
-one canonical `charge.settled` line carrying its bound context.
+Event names are stable `snake.case` (`charge.settled`, `migrate.applied`). Every line has
+`event`, `level`, `logger` and `timestamp`, plus what is bound to the context
+(structlog contextvars): a delivery's lines carry `stream_seq`, `delivery`, `order_id` and
+`billing_period` until its one canonical `charge.settled` line, and, while a span is being
+recorded (see `tracing`), `trace_id` and `span_id`.
+
+The standard library's loggers (uvicorn, asyncio, nats, asyncpg, the stripe SDK, warnings)
+reach the same processors and renderer through structlog's stdlib bridge
+(`ProcessorFormatter` on the root handler), at warning level and above. structlog's own
+lines are written directly: the canonical line of every message stays off the stdlib
+machinery's cost.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
+from charge_worker import tracing
 from charge_worker.settings import LogSettings
+
+DEFAULT_LOGGER = "charge_worker"
+
+
+class _NamedWriter(structlog.WriteLogger):
+    """A `WriteLogger` that knows the name it was asked for (`add_logger_name` reads it)."""
+
+    def __init__(self, file: TextIO | None = None, name: str = DEFAULT_LOGGER) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+class _NamedWriterFactory:
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+
+    def __call__(self, *args: Any) -> _NamedWriter:
+        name = args[0] if args and isinstance(args[0], str) else DEFAULT_LOGGER
+        return _NamedWriter(self.file, name)
+
+
+def add_trace_ids(
+    _logger: WrappedLogger, _method: str, event_dict: EventDict
+) -> MutableMapping[str, Any]:
+    """`trace_id` and `span_id` of the span being recorded, if one is (a structlog processor)."""
+    if ids := tracing.current_ids():
+        event_dict["trace_id"], event_dict["span_id"] = ids
+    return event_dict
 
 
 def configure(cfg: LogSettings) -> None:
     """Route structlog and stdlib logging to stderr in the configured format."""
     level = logging.getLevelNamesMapping()[cfg.log_level.upper()]
     as_json = cfg.log_format == "json" or (cfg.log_format == "auto" and not sys.stderr.isatty())
-    renderer: structlog.typing.Processor = (
+    renderer: Processor = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     )
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.add_log_level,
+        add_trace_ids,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_NamedWriterFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(level, logging.WARNING), stream=sys.stderr, force=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    for old in root.handlers:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    # their info lines are the libraries' chatter (connections, pools): warnings and up
+    root.setLevel(max(level, logging.WARNING))
+    logging.captureWarnings(True)

@@ -15,6 +15,7 @@ from typing import Literal
 import httpx
 import pybreaker
 
+from charge_worker import tracing
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
 from charge_worker.http import build_breaker, build_client, open_for_s
 from charge_worker.settings import ScoringSettings, require
@@ -69,7 +70,30 @@ class ScoringClient:
         currency: str,
         traceparent: str | None = None,
     ) -> Verdict | ScoringFailure:
-        """A verdict, or the reason there is none. Never raises for the service's faults."""
+        """A verdict, or the reason there is none. Never raises for the service's faults.
+
+        One `charge.score` span, with the verdict or the failure on it."""
+        with tracing.span("charge.score") as span:
+            verdict = await self._score(order_id, customer_id, amount_minor, currency, traceparent)
+            if isinstance(verdict, ScoringFailure):
+                span.set_attributes(
+                    {
+                        "charge_worker.scoring": "failed",
+                        "charge_worker.scoring_error": verdict.reason,
+                    }
+                )
+            else:
+                span.set_attribute("charge_worker.scoring", verdict.decision)
+            return verdict
+
+    async def _score(
+        self,
+        order_id: int,
+        customer_id: str,
+        amount_minor: int,
+        currency: str,
+        traceparent: str | None,
+    ) -> Verdict | ScoringFailure:
         body = {
             "order_id": order_id,
             "customer_id": customer_id,

@@ -15,7 +15,7 @@ import pytest
 import charge_worker
 
 ROOT = Path(charge_worker.__file__).parent
-FLOOR = {"settings", "errors", "logs", "event_loop", "migrate", "display"}
+FLOOR = {"settings", "errors", "logs", "tracing", "event_loop", "migrate", "display"}
 SHARED = {
     "messages",
     "periods",

@@ -83,5 +83,6 @@ def server(app: Starlette, cfg: WebhookSettings, *, on_slow: Callable[[], None])
         log_level="warning",
         access_log=False,
         lifespan="off",
+        log_config=None,  # uvicorn keeps the root's JSON handler (logs.configure)
     )
     return http.Server(config)

@@ -19,7 +19,9 @@ import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from opentelemetry.trace import Span, StatusCode
 
+from charge_worker import tracing
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
@@ -43,6 +45,9 @@ from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
 log = structlog.get_logger(__name__)
 RECONNECT_PAUSE_S = 0.5
+# bound to a delivery's lines from its start to its canonical line (`order_id` and
+# `billing_period` by the pipeline, once the body is parsed)
+DELIVERY_CONTEXT = ("stream_seq", "delivery", "order_id", "billing_period")
 THROTTLED_PAUSE_S = 0.05
 
 
@@ -135,20 +140,32 @@ class Consumer:
         return False
 
     async def _handle(self, msg: Msg, fetched_at: float) -> None:
-        """One message, one way: process, decide, record, act, account."""
+        """One message, one way: process, decide, record, act, account; one span, and its
+        lines bound to it, until the canonical line."""
         delivery = _delivery(msg)
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()
         structlog.contextvars.bind_contextvars(
             stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
         )
+        try:
+            name = f"process {msg.subject}"
+            attributes = self._span_attributes(msg, delivery) if tracing.enabled() else None
+            with tracing.continued(name, delivery.traceparent, attributes) as span:
+                await self._handle_traced(msg, delivery, fetched_at, span)
+        finally:
+            structlog.contextvars.unbind_contextvars(*DELIVERY_CONTEXT)
+
+    async def _handle_traced(
+        self, msg: Msg, delivery: Delivery, fetched_at: float, span: Span
+    ) -> None:
         self.metrics.in_flight.inc()
         heartbeat = Heartbeat(
             msg, self.settings.heartbeat_s, self.settings.worker.processing_budget_s, self.metrics
         )
         try:
             with heartbeat:
-                processed = await self.pipeline.process(delivery)
+                processed = await self.pipeline.process(delivery)  # binds order_id, billing_period
                 action = await conclude(self.pipeline, processed, self.policy)
         finally:
             self.metrics.in_flight.dec()
@@ -156,6 +173,17 @@ class Consumer:
         if done != action:  # a dead letter or copy could not be written: the story says so
             await self.pipeline.record(processed, done)
         self._account(delivery, processed, done, time.monotonic() - fetched_at)
+        if span.is_recording():
+            _annotate(span, processed, done)
+
+    def _span_attributes(self, msg: Msg, delivery: Delivery) -> tracing.Attributes:
+        headers = msg.headers or {}
+        return tracing.messaging("process", msg.subject, headers.get("Nats-Msg-Id")) | {
+            "messaging.consumer.group.name": self.settings.nats.durable,
+            "messaging.message.body.size": len(msg.data),
+            "charge_worker.stream_seq": delivery.stream_seq,
+            "charge_worker.delivery": delivery.num_delivered,
+        }
 
     async def _act(
         self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
@@ -226,9 +254,8 @@ class Consumer:
             error=processed.result.error,
             **described,
             duration_s=round(seconds, 4),
-            trace_id=_trace_id(delivery.traceparent),
+            trace_id=tracing.trace_id(delivery.traceparent),  # the span's, when one is recorded
         )
-        structlog.contextvars.clear_contextvars()
 
 
 async def conclude(pipeline: Pipeline, processed: Processed, policy: Policy) -> Action:
@@ -254,6 +281,19 @@ def _delivery(msg: Msg) -> Delivery:
     )
 
 
-def _trace_id(traceparent: str | None) -> str | None:
-    parts = (traceparent or "").split("-")
-    return parts[1] if len(parts) >= 4 else None
+def _annotate(span: Span, processed: Processed, action: Action) -> None:
+    """What the delivery came to, on its span: the charge, the outcome and the action (the
+    `charge.settled` line's fields, under `charge_worker.`)."""
+    result = processed.result
+    attributes: tracing.Attributes = {"charge_worker.outcome": result.outcome.value}
+    for key, value in describe(action).items():
+        if isinstance(value, str | int | float):
+            attributes[f"charge_worker.{key}"] = value
+    if charge := processed.charge:
+        attributes["charge_worker.order_id"] = charge.order_id
+        attributes["charge_worker.billing_period"] = charge.billing_period.isoformat()
+    if result.error:
+        attributes["charge_worker.error"] = result.error
+    span.set_attributes(attributes)
+    if isinstance(action, DeadLetter) or result.outcome is Outcome.CRASHED:
+        span.set_status(StatusCode.ERROR, result.error or result.outcome.value)

@@ -1,0 +1,132 @@
+"""One log format for every logger: structlog's and the standard library's, as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import structlog
+from opentelemetry.sdk.trace import TracerProvider
+from starlette.applications import Starlette
+
+from charge_worker import http, logs, tracing
+from charge_worker.settings import LogSettings, WebhookSettings
+from charge_worker.webhooks import connections
+
+
+@pytest.fixture
+def json_logs(capsys: pytest.CaptureFixture[str]) -> Iterator[pytest.CaptureFixture[str]]:
+    """logs.configure as `run` does it, once the test runs (pytest's capture of stderr is
+    in place only then); everything put back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield capsys
+    finally:
+        logging.captureWarnings(False)
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # what uvicorn configures
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
+        structlog.reset_defaults()
+        structlog.contextvars.clear_contextvars()
+
+
+def _configure() -> None:
+    logs.configure(LogSettings(log_format="json", log_level="info"))
+
+
+def _lines(capture: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    err = capture.readouterr().err
+    return [json.loads(line) for line in err.splitlines()]
+
+
+def test_stdlib_loggers_write_the_same_json_lines_with_name_and_level(
+    json_logs: pytest.CaptureFixture[str],
+) -> None:
+    _configure()
+    structlog.contextvars.bind_contextvars(stream_seq=7, delivery=2)
+    structlog.get_logger("charge_worker.worker.consumer").info("charge.settled", outcome="charged")
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    logging.getLogger("nats.aio.client").error("nats: encountered error")
+    logging.getLogger("asyncpg.pool").info("chatter")  # libraries' info lines are left out
+    try:
+        int("boom")
+    except ValueError:
+        logging.getLogger("asyncio").exception("Task exception was never retrieved")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("careful", UserWarning, stacklevel=1)
+
+    lines = _lines(json_logs)
+
+    assert [(line["logger"], line["level"]) for line in lines] == [
+        ("charge_worker.worker.consumer", "info"),
+        ("uvicorn.error", "warning"),
+        ("nats.aio.client", "error"),
+        ("asyncio", "error"),
+        ("py.warnings", "warning"),
+    ]
+    assert all(line["stream_seq"] == 7 and line["delivery"] == 2 for line in lines)
+    assert all("timestamp" in line and "event" in line for line in lines)
+    assert "ValueError: invalid literal" in lines[3]["exception"]
+
+
+def test_a_line_written_inside_a_recorded_span_names_it(
+    json_logs: pytest.CaptureFixture[str],
+) -> None:
+    _configure()
+    provider = TracerProvider()
+    log = structlog.get_logger("charge_worker.test")
+    with tracing.recorded(provider):
+        with tracing.span("process charges.due") as span:
+            log.info("inside")
+            logging.getLogger("aiohttp.client").warning("inside too")
+        log.info("outside")
+    provider.shutdown()
+
+    inside, too, outside = _lines(json_logs)
+
+    context = span.get_span_context()
+    ids = {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
+    assert inside.items() >= ids.items()
+    assert too.items() >= ids.items()
+    assert "trace_id" not in outside
+    assert "span_id" not in outside
+
+
+def test_without_tracing_no_line_has_trace_ids(json_logs: pytest.CaptureFixture[str]) -> None:
+    _configure()
+    with tracing.span("nothing"):
+        structlog.get_logger().info("plain")
+    [line] = _lines(json_logs)
+    assert line["logger"] == "charge_worker"
+    assert "trace_id" not in line
+
+
+def test_uvicorn_lines_stay_json_once_a_probe_server_is_built(
+    json_logs: pytest.CaptureFixture[str],
+) -> None:
+    _configure()
+    http.server(Starlette())
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    [line] = _lines(json_logs)
+    assert (line["logger"], line["level"]) == ("uvicorn.error", "warning")
+
+
+def test_uvicorn_lines_stay_json_once_the_webhook_server_is_built(
+    json_logs: pytest.CaptureFixture[str],
+) -> None:
+    _configure()
+    connections.server(Starlette(), WebhookSettings(), on_slow=lambda: None)
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    [line] = _lines(json_logs)
+    assert (line["logger"], line["level"]) == ("uvicorn.error", "warning")
