@@ -30,8 +30,19 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
 
-test: lint
+# localstripe (a Stripe fake by others, for tests/external) pins old dependencies: its own
+# venv, made once. No registry, no install: the external tier skips and says why.
+LOCALSTRIPE_VERSION := 1.15.10
+LOCALSTRIPE_STAMP := $(VENV)-localstripe/.installed
+
+test: lint $(LOCALSTRIPE_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+$(LOCALSTRIPE_STAMP):
+	@test -x $(VENV)-localstripe/bin/python || $(PYTHON) -m venv $(VENV)-localstripe
+	@$(VENV)-localstripe/bin/python -m pip install --quiet 'localstripe==$(LOCALSTRIPE_VERSION)' \
+	  && touch $@ \
+	  || echo "localstripe could not be installed: tests/external will be skipped"
 
 # pythonX.Y that runs (a pyenv shim may exist and refuse to), else pyenv's own copy; empty
 # when there is none

@@ -19,7 +19,7 @@ import click
 from charge_worker import events
 from charge_worker.database import create_pool, translated
 from charge_worker.display import printable
-from charge_worker.gateway import GatewayClient
+from charge_worker.gateway import AUTHENTICATION_REQUIRED, build_gateway
 from charge_worker.messages import idempotency_key
 from charge_worker.settings import Settings
 
@@ -50,9 +50,15 @@ async def explain_command(
         await pool.close()
     at_gateway: list[dict[str, Any]] = []
     if ask_gateway:
-        gateway = GatewayClient(settings.gateway)
+        gateway = build_gateway(settings.gateway)
+        customer = row["customer_id"] if row is not None else None
         try:
-            at_gateway = [asdict(c) for c in await gateway.lookup(order_id, billing_period)]
+            if customer is None and gateway.kind == "stripe":
+                # Stripe lists charges per customer, and only the ledger row names it
+                click.echo("the gateway was not asked: no ledger row names the customer", err=True)
+            else:
+                found = await gateway.lookup(order_id, billing_period, customer_id=customer)
+                at_gateway = [asdict(c) for c in found]
         finally:
             await gateway.aclose()
     key = idempotency_key(order_id, billing_period)
@@ -106,6 +112,18 @@ def _headline(key: str, state: dict[str, Any]) -> list[str]:
         f"  claims {state['attempt']}, gateway calls "
         f"{state['gateway_calls']}, scoring {state.get('scoring', '-')}",
     ]
+    if state["status"] == "processing":
+        lines.append(
+            "  processing: the provider accepted it and the bank settles it later; nothing is"
+            " sent again, its webhook or reconcile records the result"
+        )
+    if state.get("decline_code") == AUTHENTICATION_REQUIRED:
+        lines.append(
+            "  declined: authentication_required: the bank wants the customer present;"
+            " ask them to pay or authenticate (e-mail them)"
+        )
+    elif "decline_code" in state:
+        lines.append(f"  declined: {state['decline_code']}")
     if "lease_owner" in state:
         lines.append(f"  leased by {state['lease_owner']} until {state['lease_until']}")
     if "gateway_revision" in state:  # set by the webhook inbox
@@ -133,7 +151,8 @@ def describe(event: events.Event) -> str:
     if "gateway" in d:
         charge = f" {d['charge_id']}" if d.get("charge_id") else ""
         replay = " (replayed)" if d.get("replayed") else ""
-        parts.append(f"gateway {d['gateway']}{charge}{replay}")
+        decline = f" ({d['decline']})" if d.get("decline") else ""
+        parts.append(f"gateway {d['gateway']}{charge}{decline}{replay}")
     action = str(d.get("action"))
     if d.get("delay_s") is not None:
         action += f" {float(d['delay_s']):g}s"

@@ -22,7 +22,9 @@ from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict
 from charge_worker.messages import ChargeDue
 
 Scoring = Literal["approved", "blocked", "deferred"]
-FinalStatus = Literal["succeeded", "declined", "failed", "blocked"]
+# what a delivery may settle a charge as; `processing` is no final state: the provider
+# accepted the charge and settles it later (a bank debit), and nothing is re-sent meanwhile
+FinalStatus = Literal["succeeded", "declined", "failed", "blocked", "processing"]
 
 _CLAIM = """
 WITH inserted AS (
@@ -105,7 +107,9 @@ _SETTLE = _with_story(
     f"""UPDATE charge_attempts
        SET status = $5, gateway_charge_id = coalesce($6, gateway_charge_id), last_error = $7,
            scoring = coalesce($8, scoring), lease_owner = NULL, lease_until = NULL,
-           settled_at = now(), updated_at = now()
+           decline_code = $10,
+           settled_at = CASE WHEN $5 = 'processing' THEN NULL ELSE now() END,
+           updated_at = now()
      WHERE {_FENCE}""",
     "$9",
 )
@@ -145,6 +149,7 @@ class Settlement:
     charge_id: str | None = None
     error: str | None = None
     scoring: Scoring | None = None
+    decline_code: str | None = None  # of a decline, as the provider said
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,7 @@ class Ledger:
             settlement.error,
             settlement.scoring,
             _detail(story),
+            settlement.decline_code,
         )
 
     async def retry_later(

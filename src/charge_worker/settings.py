@@ -109,8 +109,12 @@ class ScoringSettings(_EnvGroup):
 
 
 class GatewaySettings(_EnvGroup):
-    """The payment gateway client."""
+    """The payment gateway client: which adapter (`GATEWAY_KIND`), where, and how hard."""
 
+    # `contract`: the project's own API (contracts/gateway.md); `stripe`: Stripe's
+    kind: Literal["contract", "stripe"] = Field(
+        "contract", validation_alias=AliasChoices("GATEWAY_KIND", "kind")
+    )
     url: str | None = _alias("GATEWAY_URL", "url")
     api_key: SecretStr | None = _alias("GATEWAY_API_KEY", "api_key")
     gateway_timeout_s: float = Field(10.0, gt=0)

@@ -59,6 +59,9 @@ class Scenario:
 # every charge takes 2-8 s at the gateway
 SLOW_GATEWAY = {"latency": LatencyModel(slow_fraction=1.0, slow_min_s=2.0, slow_max_s=8.0)}
 
+STRIPE = {"flavour": "stripe"}
+STRIPE_QUICK_SIZE = 150  # three scenarios inside `make test`: about 2 minutes of CI in all
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("baseline", "no faults"),
     Scenario(
@@ -126,6 +129,30 @@ SCENARIOS: tuple[Scenario, ...] = (
         "gateway_no_idempotency",
         "idempotency off and 30 % lost answers: the ledger alone",
         gateway={"idempotency_enabled": False, "lost_answer_rate": 0.3},
+    ),
+    # The Stripe flavour (`GATEWAY_KIND=stripe`, the simulator speaking Stripe's wire format):
+    # the money counted the same way, at `/_sim/charges`.
+    Scenario(
+        "stripe_baseline",
+        "GATEWAY_KIND=stripe, no faults",
+        gateway=STRIPE,
+        settings={"kind": "stripe"},
+        quick_size=STRIPE_QUICK_SIZE,
+    ),
+    Scenario(
+        "stripe_gateway_unknown",
+        "GATEWAY_KIND=stripe, 30 % timeouts / 10 % 5xx after commit, 10 % 503 before",
+        nemeses=(nemesis.LOST_ANSWERS,),
+        gateway=STRIPE | {"lost_answer_rate": 0.3, "error_rates": {503: 0.1}},
+        settings={"kind": "stripe"},
+        quick_size=STRIPE_QUICK_SIZE,
+    ),
+    Scenario(
+        "stripe_no_idempotency",
+        "GATEWAY_KIND=stripe, idempotency off and 30 % lost answers: the ledger alone",
+        gateway=STRIPE | {"idempotency_enabled": False, "lost_answer_rate": 0.3},
+        settings={"kind": "stripe"},
+        quick_size=STRIPE_QUICK_SIZE,
     ),
     Scenario(
         "purged_stream",

@@ -37,3 +37,40 @@ def test_demo_charges_every_key_once_and_dead_letters_the_bad_ones() -> None:
     assert re.search(r"#\d+ conflict .*order 1003 ", output), output
     assert "worker-1 exited 0, worker-2 exited 0" in output
     assert "every expectation held" in output
+
+
+def _demo(**env: str) -> subprocess.CompletedProcess[str]:
+    clean = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("CHARGE_WORKER_")
+        and key not in ("NATS_URL", "DATABASE_URL", "GATEWAY_KIND")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "charge_worker", "demo"],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_on_the_stripe_flavour_charges_every_key_once() -> None:
+    result = _demo(GATEWAY_KIND="stripe")
+    output = result.stdout
+    assert result.returncode == 0, f"{output}\n{result.stderr}"
+    assert "gateway simulator (stripe flavour, GATEWAY_KIND=stripe)" in output
+    assert re.search(r"\b20 keys, each charged exactly once", output), output
+    assert "charged 2 times" not in output
+    assert "every expectation held" in output
+
+
+def test_demo_refuses_an_unknown_gateway_kind_before_starting_anything() -> None:
+    result = _demo(GATEWAY_KIND="paypal")
+    assert result.returncode != 0
+    assert "GATEWAY_KIND" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "starting NATS" not in result.stdout

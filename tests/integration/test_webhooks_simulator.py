@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from charge_worker.gateway import GatewayClient
+from charge_worker.gateway import ContractGateway
 from charge_worker.ledger import Ledger, Settlement
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
@@ -84,8 +84,8 @@ def flaky() -> Iterator[tuple[Flaky, str]]:
 
 
 @pytest.fixture
-async def gateway(gateway_sim: ServedApp) -> AsyncIterator[GatewayClient]:
-    client = GatewayClient(
+async def gateway(gateway_sim: ServedApp) -> AsyncIterator[ContractGateway]:
+    client = ContractGateway(
         GatewaySettings(url=gateway_sim.url, api_key=SecretStr(API_KEY), gateway_timeout_s=5.0)
     )
     yield client
@@ -93,7 +93,7 @@ async def gateway(gateway_sim: ServedApp) -> AsyncIterator[GatewayClient]:
 
 
 async def test_a_delivery_is_signed_and_retried_on_the_schedule_until_a_2xx(
-    gateway_sim: ServedApp, gateway: GatewayClient, flaky: tuple[Flaky, str]
+    gateway_sim: ServedApp, gateway: ContractGateway, flaky: tuple[Flaky, str]
 ) -> None:
     endpoint, url = flaky
     await set_sim(
@@ -123,7 +123,7 @@ async def test_a_delivery_is_signed_and_retried_on_the_schedule_until_a_2xx(
 
 
 async def test_a_delivery_never_answered_gives_up_after_the_schedule(
-    gateway_sim: ServedApp, gateway: GatewayClient, flaky: tuple[Flaky, str]
+    gateway_sim: ServedApp, gateway: ContractGateway, flaky: tuple[Flaky, str]
 ) -> None:
     endpoint, url = flaky
     endpoint.failures, endpoint.slow_s = 100, 0.0
@@ -150,7 +150,7 @@ def test_a_webhook_secret_not_in_whsec_form_is_refused() -> None:
 
 
 async def test_reordered_and_duplicated_deliveries_leave_the_ledger_as_the_gateway_is(
-    database_url: str, gateway_sim: ServedApp, gateway: GatewayClient
+    database_url: str, gateway_sim: ServedApp, gateway: ContractGateway
 ) -> None:
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
     assert pool is not None

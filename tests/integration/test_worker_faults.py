@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from charge_worker import streams
 from charge_worker.errors import DependencyUnavailable
-from charge_worker.gateway import GatewayClient
+from charge_worker.gateway import ContractGateway
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer, free_port
 from charge_worker.sandbox.serve import ServedApp
@@ -271,7 +271,7 @@ async def test_postgres_restart_mid_run(
 
 async def test_a_refused_connection_is_known_unsent_not_an_unknown_outcome() -> None:
     cfg = GatewaySettings(url=f"http://127.0.0.1:{free_port()}", api_key=SecretStr("k"))
-    gateway = GatewayClient(cfg)
+    gateway = ContractGateway(cfg)
     try:
         with pytest.raises(DependencyUnavailable, match="unreachable"):
             await gateway.lookup(1, PERIOD)

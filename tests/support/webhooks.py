@@ -22,7 +22,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from charge_worker.gateway import GatewayClient
+from charge_worker.gateway import ContractGateway
 from charge_worker.messages import ChargeDue
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.settings import DbSettings, GatewaySettings, Settings, WebhookSettings
@@ -188,7 +188,7 @@ async def idle_processor(
     test decides which events one batch holds."""
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
     assert pool is not None
-    gateway = GatewayClient(GatewaySettings(url=gateway_url, api_key=SecretStr(API_KEY)))
+    gateway = ContractGateway(GatewaySettings(url=gateway_url, api_key=SecretStr(API_KEY)))
     inbox = Inbox(pool)
     metrics = WebhookMetrics(CollectorRegistry(), source="gateway")
     processor = Processor(

@@ -38,7 +38,8 @@ DELIVERIES = range(1, MAX_DELIVER + 1)
 
 @pytest.mark.parametrize("delivery", DELIVERIES)
 @pytest.mark.parametrize(
-    "outcome", [Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE]
+    "outcome",
+    [Outcome.CHARGED, Outcome.DECLINED, Outcome.PROCESSING, Outcome.BLOCKED, Outcome.DUPLICATE],
 )
 def test_final_outcomes_ack_on_any_delivery(outcome: Outcome, delivery: int) -> None:
     assert act(Result(outcome), delivery) == Ack()
@@ -116,7 +117,13 @@ def test_crash_on_the_last_delivery_dead_letters_max_deliveries() -> None:
 
 
 def test_every_outcome_is_covered_by_a_table_above() -> None:
-    covered = {Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE}
+    covered = {
+        Outcome.CHARGED,
+        Outcome.DECLINED,
+        Outcome.PROCESSING,
+        Outcome.BLOCKED,
+        Outcome.DUPLICATE,
+    }
     covered |= {Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED, Outcome.CRASHED}
     covered |= set(RETRYABLE)
     assert covered == set(Outcome)

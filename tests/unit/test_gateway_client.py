@@ -11,7 +11,7 @@ import pytest
 from pydantic import SecretStr
 
 from charge_worker import errors
-from charge_worker.gateway import ChargeResult, GatewayClient
+from charge_worker.gateway import ChargeResult, ContractGateway
 from charge_worker.messages import ChargeDue
 from charge_worker.settings import GatewaySettings
 
@@ -39,13 +39,13 @@ OK = {
 }
 
 
-def client(handler: Callable[[httpx.Request], httpx.Response], **cfg: object) -> GatewayClient:
+def client(handler: Callable[[httpx.Request], httpx.Response], **cfg: object) -> ContractGateway:
     settings = GatewaySettings(
         url="http://gateway.test",
         api_key=SecretStr("sk_test_x"),
         **cfg,  # type: ignore[arg-type]
     )
-    return GatewayClient(settings, transport=httpx.MockTransport(handler))
+    return ContractGateway(settings, transport=httpx.MockTransport(handler))
 
 
 def answer(status: int, body: object = None, **headers: str) -> Callable[..., httpx.Response]:

@@ -1,4 +1,5 @@
-"""Reconcile's paging through the gateway's history, over httpx.MockTransport."""
+"""Reconcile's paging through the gateway's history (oldest first, or Stripe's newest
+first), over httpx.MockTransport."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from pydantic import SecretStr
 
 from charge_worker.errors import DependencyUnavailable
-from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.gateway import ContractGateway, GatewayCharge
+from charge_worker.gateway.stripe import StripeGateway
 from charge_worker.reconcile.history import PAGE_SIZE, PROGRESS_PAGES, pages
 from charge_worker.settings import GatewaySettings
 
@@ -36,7 +38,7 @@ CHARGES = [charge(n) for n in range(250)]
 Pages = Callable[[str | None], tuple[list[dict[str, object]], bool]]
 
 
-def gateway(answer: Pages) -> GatewayClient:
+def gateway(answer: Pages) -> ContractGateway:
     """A gateway whose history answers `answer(starting_after)`."""
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -44,7 +46,7 @@ def gateway(answer: Pages) -> GatewayClient:
         return httpx.Response(200, json={"data": data, "has_more": has_more})
 
     settings = GatewaySettings(url="http://gateway.test", api_key=SecretStr("sk_test_x"))
-    return GatewayClient(settings, transport=httpx.MockTransport(handler))
+    return ContractGateway(settings, transport=httpx.MockTransport(handler))
 
 
 def honest(charges: list[dict[str, object]]) -> Pages:
@@ -55,7 +57,7 @@ def honest(charges: list[dict[str, object]]) -> Pages:
     return answer
 
 
-async def read_all(client: GatewayClient, lines: list[str] | None = None) -> list[list[str]]:
+async def read_all(client: ContractGateway, lines: list[str] | None = None) -> list[list[str]]:
     progress = (lines if lines is not None else []).append
     return [
         [c.id for c in page]
@@ -141,3 +143,53 @@ async def test_a_page_older_than_the_one_before_stops_the_run() -> None:
 
     with pytest.raises(DependencyUnavailable, match="older"):
         await read_all(gateway(back_to_the_start))
+
+
+def intent(n: int) -> dict[str, object]:
+    """A Stripe PaymentIntent standing for `charge(n)`."""
+    return charge(n) | {
+        "id": f"pi_{n:06d}",
+        "object": "payment_intent",
+        "currency": "rub",
+        "latest_charge": {"id": f"ch_{n:06d}", "amount_refunded": 0, "refunded": False},
+    }
+
+
+def stripe_gateway(answer: Pages) -> StripeGateway:
+    """A Stripe adapter whose PaymentIntent list answers `answer(starting_after)`."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        data, has_more = answer(request.url.params.get("starting_after"))
+        return httpx.Response(200, json={"object": "list", "data": data, "has_more": has_more})
+
+    settings = GatewaySettings(kind="stripe", url="http://stripe.test", api_key=SecretStr("sk_x"))
+    return StripeGateway(settings, transport=httpx.MockTransport(handler))
+
+
+NEWEST_FIRST = [intent(n) for n in reversed(range(250))]
+
+
+def honest_newest_first(after: str | None) -> tuple[list[dict[str, object]], bool]:
+    start = 0 if after is None else 250 - int(after.removeprefix("pi_"))
+    return NEWEST_FIRST[start : start + PAGE_SIZE], start + PAGE_SIZE < 250
+
+
+async def test_a_history_newest_first_is_paged_through_once() -> None:
+    """Stripe lists newest first: the paging goes back in time, page by page."""
+    read = [
+        [c.id for c in page]
+        async for page in pages(stripe_gateway(honest_newest_first), since=SINCE, until=UNTIL)
+    ]
+    assert [len(page) for page in read] == [100, 100, 50]
+    assert [c for page in read for c in page] == [c["id"] for c in NEWEST_FIRST]
+
+
+async def test_a_page_newer_than_the_one_before_stops_a_newest_first_run() -> None:
+    def forward_again(after: str | None) -> tuple[list[dict[str, object]], bool]:
+        if after is None:
+            return NEWEST_FIRST[100:200], True
+        return NEWEST_FIRST[:100], True
+
+    with pytest.raises(DependencyUnavailable, match="newer"):
+        async for _ in pages(stripe_gateway(forward_again), since=SINCE, until=UNTIL):
+            pass

@@ -107,3 +107,44 @@ def test_a_lookup_confirms_a_refund_as_a_state() -> None:
 )
 def test_state_of(status: str, refunded: bool, state: str) -> None:
     assert state_of(status, refunded=refunded) == state
+
+
+PROCESSING = Row("processing", "pi_1", 5, lease_free=True)
+
+
+@pytest.mark.parametrize(
+    ("event", "row", "expected"),
+    [
+        # a bank debit the provider accepted: an open row records it, still not final
+        (snapshot("charge.processing", "processing", charge_id="pi_1"), PENDING, "processing"),
+        # ... and what it settled as, once it did
+        (snapshot("charge.succeeded", charge_id="pi_1", revision=6), PROCESSING, "succeeded"),
+        (
+            snapshot("charge.failed", "failed", charge_id="pi_1", revision=6),
+            PROCESSING,
+            "declined",
+        ),
+        (
+            snapshot("charge.refunded", refunded=True, charge_id="pi_1", revision=6),
+            PROCESSING,
+            "refunded",
+        ),
+        # still processing: only the revision is recorded
+        (
+            snapshot("charge.processing", "processing", charge_id="pi_1", revision=6),
+            PROCESSING,
+            None,
+        ),
+    ],
+)
+def test_processing_is_open_until_it_settles(
+    event: Snapshot, row: Row, expected: str | None
+) -> None:
+    decision = decide(event, row)
+    assert isinstance(decision, Apply), decision
+    assert decision.status == expected
+
+
+def test_a_fetch_older_than_the_one_applied_is_stale() -> None:
+    # re-fetched objects carry the moment of the fetch as their revision
+    assert isinstance(decide(snapshot(charge_id="pi_1", revision=4), PROCESSING), Stale)

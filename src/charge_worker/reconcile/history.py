@@ -19,7 +19,7 @@ from charge_worker.errors import (
     RateLimited,
     RequestInProgress,
 )
-from charge_worker.gateway import GatewayCharge, GatewayClient, HistoryPage
+from charge_worker.gateway import Gateway, GatewayCharge, HistoryPage
 
 PAGE_SIZE = 100
 PROGRESS_PAGES = 100  # a progress line on stderr every so many pages
@@ -42,21 +42,22 @@ async def patiently(call: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.
 
 
 async def pages(
-    gateway: GatewayClient,
+    gateway: Gateway,
     *,
     since: dt.datetime,
     until: dt.datetime,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> AsyncGenerator[list[GatewayCharge], None]:
-    """Every charge created in [since, until], 100 at a time, oldest first, page by page.
+    """Every charge created in [since, until], 100 at a time, page by page, in the
+    gateway's `history_order` (the contract's oldest first, Stripe's newest first).
 
     The next page is asked for as soon as this one's cursor is known, so the gateway's
     latency overlaps the caller's work on this one (two pages held at most).
 
     Any failure ends the run (`DependencyUnavailable`): a history with a hole would make
     the checkpoint a lie. So does a gateway whose paging is broken (it ignores
-    `starting_after`, sends the charges of the page before again, or goes back in time),
-    which would be paged forever.
+    `starting_after`, sends the charges of the page before again, or goes back the way it
+    came), which would be paged forever.
     """
     created_gte, created_lt = int(since.timestamp()), int(until.timestamp()) + 1
 
@@ -75,14 +76,17 @@ async def pages(
             where = f"gateway history page {number}"
             raise DependencyUnavailable(f"{where}: {type(error).__name__}: {error}") from error
 
+    newest_first = gateway.history_order == "newest_first"
     after: str | None = None
     previous: set[str] = set()
-    oldest, read, number = 0, 0, 1
+    edge: int | None = None  # the page before's furthest `created` in the paging's direction
+    read, number = 0, 1
     asked = asyncio.create_task(fetch(number, after))
     try:
         while True:
             page = await asked
-            _check_progress(f"gateway history page {number}", page.charges, after, previous, oldest)
+            where = f"gateway history page {number}"
+            _check_progress(where, page.charges, after, previous, edge, newest_first=newest_first)
             read += len(page.charges)
             last = not page.has_more or not page.charges
             if number % PROGRESS_PAGES == 0 or (last and number > 1):
@@ -94,17 +98,25 @@ async def pages(
             if last:
                 return
             previous = {c.id for c in page.charges}
-            oldest = min(c.created for c in page.charges)
+            moments = [c.created for c in page.charges]
+            edge = max(moments) if newest_first else min(moments)
     finally:
         asked.cancel()  # the caller stopped early: the page asked for is not wanted
 
 
 def _check_progress(
-    where: str, charges: list[GatewayCharge], after: str | None, previous: set[str], oldest: int
+    where: str,
+    charges: list[GatewayCharge],
+    after: str | None,
+    previous: set[str],
+    edge: int | None,
+    *,
+    newest_first: bool,
 ) -> None:
     """A page must move on past the cursor, bring none of the page before's charges, and
-    not be older than all of them (the history is oldest first; a little disorder among
-    charges made at nearly the same time is the gateway's clocks, not a lost cursor)."""
+    not lie wholly on the far side of it: older than all of it when the history is oldest
+    first, newer when newest first (a little disorder among charges made at nearly the same
+    time is the gateway's clocks, not a lost cursor)."""
     if after is not None and charges and charges[-1].id == after:
         raise DependencyUnavailable(
             f"{where}: the gateway ignored starting_after={after} (the cursor did not move);"
@@ -116,7 +128,14 @@ def _check_progress(
             f"{where}: the gateway sent {again} again after starting_after={after}"
             " (it ignores the cursor?); paging stopped"
         )
-    if charges and max(c.created for c in charges) < oldest:
+    if not charges or edge is None:
+        return
+    if newest_first and min(c.created for c in charges) > edge:
+        raise DependencyUnavailable(
+            f"{where}: every charge is newer than the page before's after"
+            f" starting_after={after} (the history is newest first); paging stopped"
+        )
+    if not newest_first and max(c.created for c in charges) < edge:
         raise DependencyUnavailable(
             f"{where}: every charge is older than the page before's after"
             f" starting_after={after} (the history is oldest first); paging stopped"

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import asyncpg
 
-from charge_worker import database, privileges
+from charge_worker import database, privileges, tracing
 from charge_worker.database import translated
 from charge_worker.errors import ChargeWorkerError
-from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.gateway import GatewayCharge, build_gateway
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.reconcile import checkpoint, discrepancies, followups
 from charge_worker.reconcile.candidates import Key, Recorded, ours, sort_page
@@ -141,10 +141,34 @@ async def run_reconcile(
     `SettingsError` when one is not configured); a key that fails on its own is in
     `Report.failures` instead.
     """
+    attributes = {"charge_worker.dry_run": dry_run} if tracing.enabled() else None
+    with tracing.span("reconcile.run", attributes):
+        report = await _run(
+            settings,
+            since=since,
+            full=full,
+            dry_run=dry_run,
+            progress=progress,
+            every=progress_pages,
+        )
+        if tracing.enabled():
+            tracing.note({"charge_worker.skipped": report.skipped})
+    return report
+
+
+async def _run(
+    settings: Settings,
+    *,
+    since: dt.datetime | None,
+    full: bool,
+    dry_run: bool,
+    progress: Callable[[str], None],
+    every: int,
+) -> Report:
     started = dt.datetime.now(dt.UTC)
     cfg = settings.reconcile
     report = Report(started_at=started, since=started, dry_run=dry_run)
-    gateway = GatewayClient(settings.gateway)  # checks GATEWAY_URL / GATEWAY_API_KEY first
+    gateway = build_gateway(settings.gateway)  # checks GATEWAY_URL / GATEWAY_API_KEY first
     try:
         async with _ledger(settings.db) as conn, translated():
             await privileges.require(conn, privileges.RECONCILE)
@@ -173,7 +197,7 @@ async def run_reconcile(
                     progress=progress,
                     concurrency=min(CONCURRENCY, settings.db.db_pool_max),
                 )
-                await _sweep(sweeper, plan, window_s=cfg.reconcile_window_s, every=progress_pages)
+                await _sweep(sweeper, plan, window_s=cfg.reconcile_window_s, every=every)
     finally:
         await gateway.aclose()
     report.sort()
@@ -198,11 +222,13 @@ async def _sweep(run: Sweeper, plan: Plan, *, window_s: float, every: int) -> No
 
 
 async def _history(run: Sweeper, plan: Plan, *, every: int) -> None:
-    """Page through the history; decide each page's candidates before the next page, and
-    every `every` pages store how far the run has got (the history is oldest first, and
-    the next run reads the overlap before it again)."""
+    """Page through the history; decide each page's candidates before the next page, and,
+    when the history is oldest first, every `every` pages store how far the run has got
+    (the next run reads the overlap before it again). A history newest first (Stripe's) has
+    read nothing whole until its last page: only the run's end stores it."""
     defer_from = int(plan.defer_from.timestamp()) if plan.defer_from else None
-    stored, stores = plan.previous, plan.stores and not run.dry_run
+    oldest_first = run.gateway.history_order == "oldest_first"
+    stored, stores = plan.previous, plan.stores and not run.dry_run and oldest_first
     history = pages(run.gateway, since=plan.since, until=plan.until, progress=run.progress)
     async with contextlib.aclosing(history):  # a failure here stops the page asked for next
         async for page in history:
@@ -219,6 +245,9 @@ async def _page(run: Sweeper, page: list[GatewayCharge], defer_from: int | None)
     """Sort one page out, mark the rows it shows, decide its candidates."""
     run.report.pages += 1
     run.report.charges_seen += len(page)
+    for charge in page:  # whose charges a key's lookup lists, should its row be gone
+        if (key := ours(charge.order_id, charge.billing_period)) is not None:
+            run.customers.setdefault(key, charge.customer)
     work = sort_page(page, await _recorded(run, page), defer_from=defer_from)
     await discrepancies.shown(run, work.shown)
     await _decide(run, [key for key in work.candidates if key not in run.decided])

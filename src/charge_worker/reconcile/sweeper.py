@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 import asyncpg
 import structlog
 
-from charge_worker import events
+from charge_worker import events, tracing
 from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, SettingsError
-from charge_worker.gateway import GatewayCharge, GatewayClient
+from charge_worker.gateway import Gateway, GatewayCharge
 from charge_worker.messages import idempotency_key
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.history import patiently
@@ -46,10 +46,20 @@ T = TypeVar("T")
 # charge comes from the gateway's own lookup: shown, so no possible discrepancy.
 _SETTLE = """
 UPDATE charge_attempts
-   SET status = $4, gateway_charge_id = $5, gateway_seen_charge_id = $5, last_error = $6,
-       lease_owner = NULL, lease_until = NULL, settled_at = now(), updated_at = now()
- WHERE order_id = $1 AND billing_period = $2 AND status IN ('scheduled', 'pending')
+   SET status = $4, gateway_charge_id = coalesce($5, gateway_charge_id),
+       gateway_seen_charge_id = $5, last_error = $6, decline_code = $7,
+       lease_owner = NULL, lease_until = NULL, updated_at = now(),
+       settled_at = CASE WHEN $4 = 'processing' THEN NULL ELSE now() END
+ WHERE order_id = $1 AND billing_period = $2
+   AND status IN ('scheduled', 'pending', 'processing')
    AND attempt = $3 AND (lease_until IS NULL OR lease_until < now())
+"""
+
+# whose charges a lookup lists: the row's customer, else the subscription's
+_CUSTOMER = """
+SELECT coalesce(
+    (SELECT customer_id FROM charge_attempts WHERE order_id = $1 AND billing_period = $2),
+    (SELECT customer_id FROM subscriptions WHERE order_id = $1))
 """
 
 
@@ -108,7 +118,7 @@ class Sweeper:
 
     conn: asyncpg.Connection
     pool: asyncpg.Pool
-    gateway: GatewayClient
+    gateway: Gateway
     publisher: Republisher
     report: Report
     quiet_s: float
@@ -125,21 +135,27 @@ class Sweeper:
     shown: set[Key] = field(default_factory=set)
     # keys decided on a lookup by this run: once per run (bounded by the candidates)
     decided: set[Key] = field(default_factory=set)
+    # the customer of keys the history showed, for lookups of keys with no row left
+    customers: dict[Key, str] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def each(self, sweep: Sweep, key: str) -> Iterator[None]:
         """One broken key is reported and skipped; an unreachable (or unconfigured)
-        dependency ends the run."""
-        try:
-            yield
-        except (DependencyUnavailable, SettingsError):
-            raise
-        except ChargeWorkerError as error:
-            self._failed(sweep, key, f"{type(error).__name__}: {error}")
-        except (asyncpg.IntegrityConstraintViolationError, asyncpg.DataError) as error:
-            self._failed(sweep, key, f"the ledger refused the write: {error}")
+        dependency ends the run. A span `reconcile.<sweep>` of the key while tracing."""
+        attributes = {"charge_worker.key": key} if tracing.enabled() else None
+        with tracing.span(f"reconcile.{sweep}", attributes):
+            try:
+                yield
+            except (DependencyUnavailable, SettingsError) as error:
+                tracing.failed(f"{type(error).__name__}: {error}")
+                raise
+            except ChargeWorkerError as error:
+                self._failed(sweep, key, f"{type(error).__name__}: {error}")
+            except (asyncpg.IntegrityConstraintViolationError, asyncpg.DataError) as error:
+                self._failed(sweep, key, f"the ledger refused the write: {error}")
 
     def _failed(self, sweep: Sweep, key: str, error: str) -> None:
+        tracing.failed(error)
         self.failed.add(key)
         self.report.fail(sweep, key, error)
         log.warning("reconcile.key_failed", sweep=sweep, key=key, error=error)
@@ -153,14 +169,24 @@ class Sweeper:
         """`work` on every item, `concurrency` at a time."""
         await together(items, work, limit=self.concurrency)
 
-    async def lookup(self, key: Key) -> list[GatewayCharge]:
-        """Every charge the gateway holds for the key, counted in the report."""
+    async def lookup(self, key: Key, customer: str | None = None) -> list[GatewayCharge]:
+        """Every charge the gateway holds for the key, counted in the report. Providers
+        that list per customer (Stripe) get the key's: the one given, else the row's or the
+        subscription's, else the one the history showed."""
         self.report.lookups += 1
-        return await patiently(self.gateway.lookup, *key)
+        if customer is None:
+            customer = await self.pool.fetchval(_CUSTOMER, *key) or self.customers.get(key)
+        return await patiently(self.gateway.lookup, *key, customer_id=customer)
 
     async def refund(self, charge_id: str) -> str:
-        """Refund a proven double in full (`Idempotency-Key: refund:<charge id>`)."""
-        return await patiently(self.gateway.refund, charge_id)
+        """Refund a proven double in full (`Idempotency-Key: refund:<charge id>`); a span
+        `reconcile.refund` while tracing."""
+        attributes = {"charge_worker.charge_id": charge_id} if tracing.enabled() else None
+        with tracing.span("reconcile.refund", attributes):
+            refund_id = await patiently(self.gateway.refund, charge_id)
+            if tracing.enabled():
+                tracing.note({"charge_worker.refund_id": refund_id})
+            return refund_id
 
     async def event(self, conn: Db, key: Key, kind: str, **detail: Any) -> None:
         """Append to the charge's story; losing an event never undoes what it records."""
@@ -182,11 +208,14 @@ class Sweeper:
         *,
         charge_id: str | None,
         error: str | None,
+        decline_code: str | None = None,
         **detail: Any,
     ) -> bool:
         """The guarded write, with its `resolved` event; False if a worker took the row."""
         async with conn.transaction():
-            result = await conn.execute(_SETTLE, *key, attempt, status, charge_id, error)
+            result = await conn.execute(
+                _SETTLE, *key, attempt, status, charge_id, error, decline_code
+            )
             if result != "UPDATE 1":
                 return False
             await self.event(conn, key, "resolved", status=status, charge_id=charge_id, **detail)

@@ -2,7 +2,8 @@
 
 | sweep              | looks at                                     | repairs by                   |
 |--------------------|----------------------------------------------|------------------------------|
-| unknown outcomes   | quiet, unleased `pending` rows that called   | recording what lookup finds  |
+| unknown outcomes   | quiet, unleased `pending` rows that called,  | recording what lookup finds  |
+|                    | and `processing` rows (the bank settles them)| (still processing: later)    |
 | lost messages      | quiet, unleased `scheduled`/`pending` rows   | recording what lookup finds, |
 |                    | whose message no longer waits in the stream  | else re-publishing           |
 
@@ -32,8 +33,8 @@ from charge_worker.reconcile.sweeper import BATCH, Sweeper, stamp
 FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), 0, dt.date.min)  # before every keyset
 
 _UNKNOWN = """
-SELECT order_id, billing_period, attempt, updated_at FROM charge_attempts
- WHERE status = 'pending' AND gateway_calls > 0
+SELECT order_id, billing_period, attempt, updated_at, status, customer_id FROM charge_attempts
+ WHERE ((status = 'pending' AND gateway_calls > 0) OR status = 'processing')
    AND (lease_until IS NULL OR lease_until < now())
    AND updated_at < now() - make_interval(secs => $1)
    AND (updated_at, order_id, billing_period) > ($2, $3, $4)
@@ -60,6 +61,12 @@ SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, cur
 """
 _STILL_WAITING = f"SELECT count(*) FROM charge_attempts {_OPEN_AND_QUIET} AND {_WAITING}"
 
+# A processing row the bank has not settled: looked at again once it is quiet again.
+_STILL_PROCESSING = """
+UPDATE charge_attempts SET updated_at = now()
+ WHERE order_id = $1 AND billing_period = $2 AND status = 'processing' AND attempt = $3
+"""
+
 # Only the quiet clock moves, and where the new message is; a row a worker has taken since
 # (another attempt) is its own.
 _TOUCH = """
@@ -81,15 +88,16 @@ async def _quiet_rows(
 
 async def unknown_outcomes(run: Sweeper) -> None:
     """Record what the gateway did for quiet, unleased `pending` rows whose call
-    has no recorded outcome. A charge found: `succeeded`; a failed one: `declined`;
-    nothing: left pending for `lost_messages` (the worker looks up before charging)."""
+    has no recorded outcome, and for quiet `processing` rows. A charge found: `succeeded`;
+    one still processing: `processing` (again later); a failed one: `declined`; nothing:
+    left pending for `lost_messages` (the worker looks up before charging)."""
     done = 0
 
     async def one(row: asyncpg.Record) -> None:
         nonlocal done
         key = (row["order_id"], row["billing_period"])
         with run.each("unknown_outcomes", idempotency_key(*key)):
-            await _resolve(run, key, row["attempt"])
+            await _resolve(run, key, row)
         done += 1
         run.tick("unknown outcomes", done)
 
@@ -99,21 +107,31 @@ async def unknown_outcomes(run: Sweeper) -> None:
 
 def _found(charges: list[GatewayCharge]) -> tuple[str, GatewayCharge] | None:
     """What a lookup says happened: the earliest charge still captured, else the earliest
-    made (refunded since), else a failed one."""
+    made (refunded since), else one the bank still settles, else a failed one."""
     made = [c for c in charges if c.captured] or [c for c in charges if c.charged]
     if made:
         return "succeeded", made[0]
+    if processing := [c for c in charges if c.processing]:
+        return "processing", processing[0]
     failed = [c for c in charges if c.status == "failed"]
     return ("declined", failed[0]) if failed else None
 
 
-async def _resolve(run: Sweeper, key: Key, attempt: int) -> None:
-    found = _found(await run.lookup(key))
+async def _resolve(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
+    attempt, was = row["attempt"], row["status"]
+    found = _found(await run.lookup(key, row["customer_id"]))
     if found is None:
-        run.report.add("unknown_outcomes", Finding(*key, "not found: re-publish", {}))
+        action = "not found: re-publish" if was == "pending" else "not found at the gateway"
+        run.report.add("unknown_outcomes", Finding(*key, action, {"status": was}))
         return
     status, charge = found
     detail = {"attempt": attempt, "charge_id": charge.id}
+    if status == was == "processing":  # the bank has not settled it: look again later
+        if not run.dry_run:
+            async with run.pool.acquire() as conn:
+                await conn.execute(_STILL_PROCESSING, *key, attempt)
+        run.report.add("unknown_outcomes", Finding(*key, "still processing", detail))
+        return
     if run.dry_run:
         run.settled.add(key)
         action = f"would record {status}"
@@ -157,7 +175,7 @@ async def lost_messages(run: Sweeper) -> None:
 
 
 async def _recover(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
-    found = _found(await run.lookup(key))
+    found = _found(await run.lookup(key, row["customer_id"]))
     if found is None:
         await _republish(run, key, row)
         return
@@ -219,15 +237,16 @@ async def _settle_found(
     run: Sweeper, key: Key, attempt: int, status: str, charge: GatewayCharge, **detail: Any
 ) -> bool:
     """Record what a lookup found for an open row (guarded); False if a worker took it."""
-    succeeded = status == "succeeded"
-    error = None if succeeded else f"declined: charge {charge.id} failed (reconcile)"
+    declined = status == "declined"
+    error = f"declined: charge {charge.id} failed (reconcile)" if declined else None
     async with run.pool.acquire() as conn:
         return await run.settle(
             conn,
             key,
             attempt,
             status,
-            charge_id=charge.id if succeeded else None,
+            charge_id=None if declined else charge.id,
             error=error,
+            decline_code=charge.decline_code if declined else None,
             **detail,
         )

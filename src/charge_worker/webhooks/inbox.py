@@ -101,7 +101,10 @@ UPDATE charge_attempts
                             ELSE review_reason END,
        lease_owner = CASE WHEN status IN ('scheduled', 'pending') THEN NULL ELSE lease_owner END,
        lease_until = CASE WHEN status IN ('scheduled', 'pending') THEN NULL ELSE lease_until END,
-       settled_at = CASE WHEN status IN ('scheduled', 'pending') THEN now() ELSE settled_at END,
+       -- `processing` is open: settled once it becomes anything else
+       settled_at = CASE WHEN coalesce($5, status) = 'processing' THEN NULL
+                         WHEN status IN ('scheduled', 'pending', 'processing') THEN now()
+                         ELSE settled_at END,
        updated_at = now()
  WHERE order_id = $1 AND billing_period = $2 AND status = $8
    AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)

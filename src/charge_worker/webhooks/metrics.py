@@ -1,10 +1,11 @@
 """The metrics of `charge-worker webhooks`, on one object over an injected registry.
 
 Label values come from the same words the code uses: a delivery's `result` is the
-`DeliveryRejected.result` of its rejection, or `journaled` / `duplicate` / `unavailable`; an
-event's `status` is the journal status processing gave it. The series the alerts read are
-created at 0 at start, so `increase()` sees their first increment. The registry also carries
-the process and runtime collectors (`process_*`, `python_gc_*`, `python_info`).
+`DeliveryRejected.result` of its rejection, or `journaled` / `duplicate` / `unavailable` /
+`ignored`; an event's `status` is the journal status processing gave it. The series the
+alerts read are created at 0 at start, so `increase()` sees their first increment. The
+registry also carries the process and runtime collectors (`process_*`, `python_gc_*`,
+`python_info`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DELIVERY_RESULTS = (
     "malformed",
     "unauthorized",
     "unavailable",
+    "ignored",  # a provider's event type the ledger does not use (Stripe sends many)
 )
 
 

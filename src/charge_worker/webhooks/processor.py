@@ -12,12 +12,18 @@ retried with backoff; once it has lasted `wait_bound_tries` tries or `wait_bound
 charge is looked up at the gateway and what the gateway says is applied, or the event goes to
 `needs_review`. An event whose processing keeps failing (database errors, a bug) goes to
 `needs_review` after `give_up_tries`.
+
+Events of providers whose webhooks carry no revision (`webhook_scheme == "stripe"`) are
+applied from the object as the adapter re-fetches it (Stripe's own advice), so their order
+never matters: the fetched state is the provider's now, and its revision is the moment of
+the fetch (microseconds), so a fetch older than the one applied last is stale.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import time
 from dataclasses import dataclass
@@ -25,8 +31,9 @@ from typing import Protocol
 
 import structlog
 
+from charge_worker import tracing
 from charge_worker.errors import ChargeWorkerError, LeaseHeld, TransientError
-from charge_worker.gateway import GatewayCharge
+from charge_worker.gateway import GatewayCharge, WebhookScheme
 from charge_worker.webhooks.inbox import Inbox, Job, status_of
 from charge_worker.webhooks.metrics import WebhookMetrics
 from charge_worker.webhooks.rules import Apply, Decision, Review, Wait, state_of
@@ -36,10 +43,19 @@ LEASE_USE = 0.8  # of a batch's lease, before the rest of the batch is handed ba
 
 
 class ChargeLookup(Protocol):
-    """The gateway's `GET /v1/charges?order_id=…&billing_period=…` (`GatewayClient`)."""
+    """What the processor asks of the gateway adapter (`Gateway`)."""
 
-    async def lookup(self, order_id: int, billing_period: dt.date) -> list[GatewayCharge]:
+    @property
+    def webhook_scheme(self) -> WebhookScheme:
+        """`stripe`: events carry no revision, their object is re-fetched (`retrieve`)."""
+
+    async def lookup(
+        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+    ) -> list[GatewayCharge]:
         """Every charge the gateway holds for this key."""
+
+    async def retrieve(self, charge_id: str) -> GatewayCharge | None:
+        """The charge as the provider holds it now; None when it has no such charge."""
 
 
 @dataclass(frozen=True)
@@ -142,8 +158,22 @@ class Processor:
 
     async def process(self, job: Job) -> None:
         """Apply one leased event, or put it back to wait or retry."""
+        attributes = _span_attributes(job) if tracing.enabled() else None
+        with tracing.span("webhook.process", attributes):
+            await self._process(job)
+
+    async def _process(self, job: Job) -> None:
         try:
-            decision = await self._decide(job)
+            fetched: GatewayCharge | None = None
+            if self.gateway.webhook_scheme == "stripe":
+                fetched = await self.gateway.retrieve(job.charge_id)
+                if fetched is None:
+                    why = f"the provider has no {job.charge_id}"
+                    await self.inbox.review(job, self.owner, why)
+                    self._count(job, Review(why))
+                    return
+                job = refetched(job, fetched)
+            decision = await self._decide(job, fetched)
         except LeaseHeld as error:
             log.warning("webhook.lease_lost", **job.describe(), error=str(error))
             return
@@ -154,9 +184,11 @@ class Processor:
             log.exception("webhook.crashed", **job.describe())
             await self._failed(job, f"crashed: {type(error).__name__}: {error}")
             return
+        if tracing.enabled():
+            tracing.note({"charge_worker.outcome": status_of(decision)})
         self._count(job, decision)
 
-    async def _decide(self, job: Job) -> Decision:
+    async def _decide(self, job: Job, fetched: GatewayCharge | None = None) -> Decision:
         tuning = self.tuning
         bound = job.attempts >= tuning.wait_bound_tries or job.age_s >= tuning.wait_bound_s
         decision = await self.inbox.decide_and_write(
@@ -164,6 +196,11 @@ class Processor:
         )
         if not (bound and isinstance(decision, Wait)):
             return decision
+        if fetched is not None:  # what the provider holds now: nothing more to look up
+            state = state_of(fetched.status, refunded=fetched.refunded)
+            return await self.inbox.decide_and_write(
+                job, self.owner, confirmed_status=state, wait_s=tuning.backoff_max_s
+            )
         if job.key is None:
             why = f"{decision.why}; the charge has no order_id/billing_period to look it up by"
             await self.inbox.review(job, self.owner, why)
@@ -223,6 +260,35 @@ class Processor:
         for status, count in counts.by_status.items():
             self.metrics.inbox_rows.labels(status).set(count)
         self.metrics.oldest_open_s.set(counts.oldest_unprocessed_s)
+
+
+def refetched(job: Job, charge: GatewayCharge) -> Job:
+    """The job as the re-fetched object says: its state and refund, its key from the
+    metadata when the event had none, and the fetch's moment as its revision."""
+    key = job.key
+    if key is None and charge.order_id and charge.order_id.isdigit() and charge.billing_period:
+        with contextlib.suppress(ValueError):
+            key = int(charge.order_id), dt.date.fromisoformat(charge.billing_period)
+    order_id, period = key if key is not None else (None, None)
+    return dataclasses.replace(
+        job,
+        object_status=charge.status,
+        refunded=charge.refunded,
+        amount_refunded=charge.amount_refunded,
+        revision=time.time_ns() // 1000,
+        order_id=order_id,
+        billing_period=period,
+    )
+
+
+def _span_attributes(job: Job) -> tracing.Attributes:
+    return {
+        "charge_worker.event_id": job.event_id,
+        "charge_worker.event_type": job.event_type,
+        "charge_worker.charge_id": job.charge_id,
+        "charge_worker.revision": job.revision,
+        "charge_worker.attempt": job.attempts,
+    }
 
 
 async def _set_when(stop: asyncio.Event, wake: asyncio.Event) -> None:

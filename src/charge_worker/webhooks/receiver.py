@@ -16,6 +16,12 @@ In this order, each step refusing with no side effect:
 Then `200`, whether the event is new or a redelivery (counted as a duplicate). Applying it
 is the processor's business, after the answer. Log lines carry the event and message ids,
 never a secret or a signature.
+
+The `stripe` scheme (`GATEWAY_KIND=stripe`) checks `Stripe-Signature` instead, and reads
+Stripe's event envelope: its object (a PaymentIntent, or a Charge or Dispute naming one)
+carries no revision, so the journal row names the PaymentIntent and the processor applies
+the PaymentIntent as the adapter re-fetches it (`STRIPE_EVENT_TYPES`). Event types the
+ledger has no use for are answered 200 and not journaled (`ignored`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from charge_worker import tracing
 from charge_worker.errors import (
     DeliveryRejected,
     DeliveryTooLarge,
@@ -40,11 +47,20 @@ from charge_worker.errors import (
 )
 from charge_worker.webhooks.inbox import Entry, Inbox
 from charge_worker.webhooks.metrics import WebhookMetrics
-from charge_worker.webhooks.signature import Verifier, read_headers
+from charge_worker.webhooks.signature import Scheme, StripeVerifier, Verifier
 
 log = structlog.get_logger(__name__)
 JOURNAL_BUDGET_S = 3.0  # the gateway gives up on an answer after 5 s
 Id = Annotated[str, Field(min_length=1, max_length=255)]
+# Stripe's event types the ledger uses -> the journal's (`rules.EVENT_TYPES`)
+STRIPE_EVENT_TYPES = {
+    "payment_intent.succeeded": "charge.succeeded",
+    "payment_intent.payment_failed": "charge.failed",
+    "payment_intent.processing": "charge.processing",
+    "charge.refunded": "charge.refunded",
+    "charge.dispute.created": "charge.dispute_created",
+}
+STRIPE_REVISION = 1  # journaled; the processor applies the re-fetched object at its own
 
 
 class _Model(BaseModel):
@@ -78,14 +94,7 @@ class GatewayEvent(_Model):
 
     def key(self) -> tuple[int | None, dt.date | None]:
         """The ledger key from the charge's metadata; (None, None) when it has none."""
-        metadata = self.data.object.metadata
-        order_id, period = metadata.get("order_id"), metadata.get("billing_period")
-        if not (isinstance(order_id, str) and order_id.isdigit() and isinstance(period, str)):
-            return None, None
-        try:
-            return int(order_id), dt.date.fromisoformat(period)
-        except ValueError:
-            return None, None
+        return _key_of(self.data.object.metadata)
 
 
 def parse_event(body: bytes) -> GatewayEvent:
@@ -96,6 +105,95 @@ def parse_event(body: bytes) -> GatewayEvent:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise MalformedDelivery(f"not a gateway event: {where}: {first['msg']}") from error
+
+
+class StripeObject(_Model):
+    """A Stripe event's object: a PaymentIntent (`pi_…`), or a Charge or Dispute naming
+    its PaymentIntent (`payment_intent`)."""
+
+    id: Id
+    object: Annotated[str, Field(max_length=64)] = ""
+    payment_intent: Id | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def intent_id(self) -> str:
+        """The PaymentIntent the event is about (the ledger's `gateway_charge_id`)."""
+        if self.object == "payment_intent" or self.id.startswith("pi_"):
+            return self.id
+        if self.payment_intent is None:
+            raise MalformedDelivery(f"the {self.object or 'object'} names no payment_intent")
+        return self.payment_intent
+
+
+class StripeEventData(_Model):
+    object: StripeObject
+
+
+class StripeEvent(_Model):
+    """A Stripe webhook body (`"object": "event"`)."""
+
+    id: Id
+    type: Annotated[str, Field(min_length=1, max_length=100)]
+    created: StrictInt
+    data: StripeEventData
+
+
+def parse_stripe_event(body: bytes) -> StripeEvent:
+    """The Stripe event, or `MalformedDelivery` saying what is wrong (no body text in it)."""
+    try:
+        return StripeEvent.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise MalformedDelivery(f"not a Stripe event: {where}: {first['msg']}") from error
+
+
+def _key_of(metadata: dict[str, Any]) -> tuple[int | None, dt.date | None]:
+    """`metadata[order_id]` and `metadata[billing_period]`; (None, None) unless both read."""
+    order_id, period = metadata.get("order_id"), metadata.get("billing_period")
+    if not (isinstance(order_id, str) and order_id.isdigit() and isinstance(period, str)):
+        return None, None
+    try:
+        return int(order_id), dt.date.fromisoformat(period)
+    except ValueError:
+        return None, None
+
+
+def journal_entry(source: str, scheme: Scheme, body: bytes, message_id: str) -> Entry | None:
+    """The journal row of a verified body; None for a Stripe event type the ledger does not
+    use. `MalformedDelivery` when the body is no event of the scheme."""
+    if scheme == "stripe":
+        stripe_event = parse_stripe_event(body)
+        kind = STRIPE_EVENT_TYPES.get(stripe_event.type)
+        if kind is None:
+            return None
+        found = stripe_event.data.object
+        order_id, period = _key_of(found.metadata)
+        return Entry(
+            source,
+            stripe_event.id,
+            message_id or stripe_event.id,
+            kind,
+            found.intent_id,
+            STRIPE_REVISION,
+            order_id,
+            period,
+            body.decode(),
+        )
+    event = parse_event(body)
+    order_id, period = event.key()
+    return Entry(
+        source,
+        event.id,
+        message_id,
+        event.type,
+        event.data.object.id,
+        event.data.object.revision,
+        order_id,
+        period,
+        body.decode(),
+    )
 
 
 def check_length(request: Request, max_bytes: int) -> None:
@@ -126,8 +224,9 @@ async def read_limited(request: Request, max_bytes: int, timeout_s: float) -> by
 def receiver(
     *,
     source: str,
-    verifier: Verifier,
+    verifier: Verifier | StripeVerifier,
     inbox: Inbox,
+    scheme: Scheme = "standard",
     metrics: WebhookMetrics,
     max_bytes: int,
     body_timeout_s: float,
@@ -135,16 +234,17 @@ def receiver(
 ) -> Callable[[Request], Awaitable[Response]]:
     """The endpoint for one source's webhooks."""
 
+    @tracing.served("POST", f"/webhooks/{source}")
     async def receive(request: Request) -> Response:
         started = time.perf_counter()
         message_id = request.headers.get("webhook-id", "")[:255]
         try:
             check_length(request, max_bytes)
-            signed = read_headers(request.headers)
+            signed = verifier.read_headers(request.headers)
             verifier.check_time(signed)
             body = await read_limited(request, max_bytes, body_timeout_s)
             verifier.verify(body, signed)
-            event = parse_event(body)
+            entry = journal_entry(source, scheme, body, signed.message_id)
         except DeliveryRejected as rejected:
             metrics.deliveries.labels(source, rejected.result).inc()
             log.info(
@@ -155,31 +255,31 @@ def receiver(
                 reason=str(rejected),
             )
             return JSONResponse({"error": str(rejected)}, status_code=rejected.status_code)
-        order_id, period = event.key()
-        entry = Entry(
-            source,
-            event.id,
-            signed.message_id,
-            event.type,
-            event.data.object.id,
-            event.data.object.revision,
-            order_id,
-            period,
-            body.decode(),
-        )
+        if tracing.enabled() and entry is not None:
+            tracing.note(
+                {
+                    "charge_worker.event_id": entry.event_id,
+                    "charge_worker.charge_id": entry.object_id,
+                }
+            )
+        if entry is None:  # a Stripe event about nothing the ledger records
+            metrics.deliveries.labels(source, "ignored").inc()
+            return JSONResponse({"received": None, "ignored": True})
         try:
             async with asyncio.timeout(JOURNAL_BUDGET_S):
                 new = await inbox.journal(entry)
         except MalformedDelivery as rejected:
             metrics.deliveries.labels(source, rejected.result).inc()
-            log.info("webhook.rejected", source=source, event_id=event.id, reason=str(rejected))
+            log.info(
+                "webhook.rejected", source=source, event_id=entry.event_id, reason=str(rejected)
+            )
             return JSONResponse({"error": str(rejected)}, status_code=400)
         except (TimeoutError, DependencyUnavailable) as error:
             metrics.deliveries.labels(source, "unavailable").inc()
             log.warning(
                 "webhook.not_journaled",
                 source=source,
-                event_id=event.id,
+                event_id=entry.event_id,
                 error=f"{type(error).__name__}: {error}",
             )
             return JSONResponse(
@@ -196,13 +296,13 @@ def receiver(
         log.info(
             "webhook.received",
             source=source,
-            event_id=event.id,
-            message_id=signed.message_id,
-            type=event.type,
-            charge_id=event.data.object.id,
-            revision=event.data.object.revision,
+            event_id=entry.event_id,
+            message_id=entry.message_id,
+            type=entry.event_type,
+            charge_id=entry.object_id,
+            revision=entry.revision,
             duplicate=not new,
         )
-        return JSONResponse({"received": event.id, "duplicate": not new})
+        return JSONResponse({"received": entry.event_id, "duplicate": not new})
 
     return receive

@@ -24,8 +24,14 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 |                                      | refunded, or a dispute         | wait (unless confirmed) |
 | same status as the snapshot          | any                            | record the revision     |
 | `succeeded`                          | refunded                       | refunded                |
+| `processing` (the bank settles it)   | succeeded / failed / refunded  | succeeded / declined /  |
+|                                      |                                | refunded                |
 | `failed`                             | failed                         | record the revision     |
 | anything else                        | any                            | review                  |
+
+`processing` (a Stripe PaymentIntent the bank settles days later) is a snapshot's state like
+the others: an open row records it as `processing` (still not final), and a `processing` row
+records what it settled as.
 
 A dispute also sets the row's dispute flag and review reason. `confirmed` means the
 snapshot's status comes from a gateway lookup made after the wait bound: it may then record a
@@ -38,9 +44,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # the charge's state (`state_of`) -> the ledger status that records it
-LEDGER_STATUS = {"succeeded": "succeeded", "refunded": "refunded", "failed": "declined"}
+LEDGER_STATUS = {
+    "succeeded": "succeeded",
+    "refunded": "refunded",
+    "failed": "declined",
+    "processing": "processing",
+}
 EVENT_TYPES = frozenset(
-    {"charge.succeeded", "charge.failed", "charge.refunded", "charge.dispute_created"}
+    {
+        "charge.succeeded",
+        "charge.failed",
+        "charge.refunded",
+        "charge.dispute_created",
+        "charge.processing",
+    }
 )
 DISPUTE = "charge.dispute_created"
 OPEN = frozenset({"scheduled", "pending"})
@@ -185,6 +202,8 @@ def _this_charge(
         return Apply(None, dispute, f"{row.status}, revision {event.revision}")
     if (row.status, target) == ("succeeded", "refunded"):
         return Apply(target, dispute, "succeeded -> refunded")
+    if row.status == "processing" and target in ("succeeded", "declined", "refunded"):
+        return Apply(target, dispute, f"processing -> {target}")
     return Review(
         f"the gateway says {event.charge_id} is {event.state} (revision {event.revision}) "
         f"but the ledger records {row.status}"

@@ -30,14 +30,14 @@ from starlette.routing import Route
 
 from charge_worker import event_loop, http, privileges
 from charge_worker.database import create_pool
-from charge_worker.gateway import GatewayClient
+from charge_worker.gateway import build_gateway
 from charge_worker.settings import Settings
 from charge_worker.webhooks import connections
 from charge_worker.webhooks.inbox import Inbox
 from charge_worker.webhooks.metrics import WebhookMetrics
 from charge_worker.webhooks.processor import Processor, ProcessorTuning
 from charge_worker.webhooks.receiver import receiver
-from charge_worker.webhooks.signature import Verifier
+from charge_worker.webhooks.signature import Scheme, verifier_for
 
 log = structlog.get_logger(__name__)
 SOURCE = "gateway"
@@ -70,14 +70,16 @@ async def run_webhooks(
 ) -> None:
     """Receive and process webhooks until `stop` is set."""
     cfg = settings.webhooks
-    verifier = Verifier.from_settings(cfg)  # no secret, no start
+    # the adapter's provider signs its way: Standard Webhooks, or Stripe-Signature
+    scheme: Scheme = "stripe" if settings.gateway.kind == "stripe" else "standard"
+    verifier = verifier_for(scheme, cfg)  # no secret, no start
     owner = event_loop.process_name()
     metrics = WebhookMetrics(registry or CollectorRegistry(), source=SOURCE)
     async with contextlib.AsyncExitStack() as resources:
         listener = resources.enter_context(
             http.listen(cfg.webhook_host, cfg.webhook_port, setting="CHARGE_WORKER_WEBHOOK_PORT")
         )
-        gateway = GatewayClient(settings.gateway)
+        gateway = build_gateway(settings.gateway)
         resources.push_async_callback(gateway.aclose)
         receiver_pool = await create_pool(settings.db)
         resources.push_async_callback(receiver_pool.close)
@@ -95,6 +97,7 @@ async def run_webhooks(
         endpoint = receiver(
             source=SOURCE,
             verifier=verifier,
+            scheme=scheme,
             inbox=Inbox(receiver_pool),
             metrics=metrics,
             max_bytes=cfg.webhook_max_bytes,

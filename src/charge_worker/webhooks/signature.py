@@ -1,4 +1,12 @@
-"""Standard Webhooks signatures (contracts/gateway.md): verified on receipt, made by the simulator.
+"""Webhook signatures, one scheme per source: verified on receipt, made by the simulator.
+
+| scheme     | headers                                            | key                 |
+|------------|----------------------------------------------------|---------------------|
+| `standard` | `webhook-id`, `webhook-timestamp`,                 | `whsec_<base64>`,   |
+|            | `webhook-signature: v1,<base64 HMAC of id.t.body>` | the decoded bytes   |
+| `stripe`   | `Stripe-Signature: t=<unix>,v1=<hex HMAC of t.body>` | `whsec_…` as is   |
+
+Standard Webhooks (contracts/gateway.md):
 
 `standardwebhooks` (the scheme's reference implementation) computes and compares them:
 HMAC-SHA256 over `<id>.<timestamp>.<body>`, any of several space-separated `v1,<base64>`
@@ -23,7 +31,9 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
+import stripe
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from charge_worker.errors import MalformedDelivery, SettingsError, UnauthenticDelivery
@@ -121,21 +131,26 @@ class Verifier:
         self.tolerance_s = tolerance_s
         self.clock = clock
 
+    def read_headers(self, headers: Mapping[str, str]) -> SignedHeaders:
+        """The signature headers, well-formed, or `MalformedDelivery`."""
+        return read_headers(headers)
+
     @classmethod
     def from_settings(cls, cfg: WebhookSettings) -> Verifier:
         """The verifier for the configured secrets and tolerance."""
         secrets = [secret.get_secret_value() for secret in cfg.webhook_secrets]
         return cls(secrets, tolerance_s=cfg.webhook_tolerance_s)
 
-    def check_time(self, signed: SignedHeaders) -> None:
+    def check_time(self, signed: Signed) -> None:
         """`UnauthenticDelivery` when the timestamp is further from now than the tolerance."""
         if abs(self.clock() - signed.timestamp) > self.tolerance_s:
             raise UnauthenticDelivery(
                 f"webhook-timestamp is over {self.tolerance_s:g}s away from now"
             )
 
-    def verify(self, body: bytes, signed: SignedHeaders) -> None:
+    def verify(self, body: bytes, signed: Signed) -> None:
         """Pass if one signature matches one secret; else `UnauthenticDelivery`."""
+        assert isinstance(signed, SignedHeaders)
         self.check_time(signed)
         try:
             text = body.decode()
@@ -167,3 +182,118 @@ def signed_headers(
         "webhook-timestamp": str(at),
         "webhook-signature": sign(secret, message_id, at, body),
     }
+
+
+# Stripe: https://docs.stripe.com/webhooks#verify-manually. stripe-python's `WebhookSignature`
+# (the reference) computes and compares; its tolerance only refuses old timestamps, so the
+# time is checked here, both ways, as for the standard scheme.
+STRIPE_HEADER = "stripe-signature"
+_STRIPE_PART = re.compile(r"([a-z0-9]+)=([^,=]*)")
+_HEX_SIGNATURE = re.compile(r"[0-9a-f]{64}")
+Scheme = Literal["standard", "stripe"]
+
+
+class Signed(Protocol):
+    """A delivery's signature headers, well-formed: when it was signed, and its id when
+    the scheme has one in a header."""
+
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def message_id(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class StripeSigned:
+    """`Stripe-Signature`, well-formed: its timestamp and the header as sent (verified by
+    stripe-python as a whole); the event id is in the body."""
+
+    timestamp: int
+    header: str
+    message_id: str = ""
+
+
+def read_stripe_header(headers: Mapping[str, str]) -> StripeSigned:
+    """`Stripe-Signature`, or `MalformedDelivery` saying what is wrong with it."""
+    header = headers.get(STRIPE_HEADER, "")
+    if not header:
+        raise MalformedDelivery("the Stripe-Signature header is missing")
+    parts = header.split(",")
+    if len(parts) > MAX_SIGNATURES + 2 or not all(_STRIPE_PART.fullmatch(p) for p in parts):
+        raise MalformedDelivery("Stripe-Signature is not comma-separated name=value pairs")
+    pairs = [p.split("=", 1) for p in parts]
+    stamps = [value for name, value in pairs if name == "t"]
+    signatures = [value for name, value in pairs if name == "v1"]
+    if len(stamps) != 1 or not _TIMESTAMP.fullmatch(stamps[0]):
+        raise MalformedDelivery("Stripe-Signature has no t=<unix seconds>")
+    if not signatures or not all(_HEX_SIGNATURE.fullmatch(s) for s in signatures):
+        raise MalformedDelivery("Stripe-Signature has no v1=<hex HMAC-SHA256>")
+    return StripeSigned(int(stamps[0]), header)
+
+
+def check_stripe_secret(secret: str) -> str:
+    """A Stripe endpoint secret (`whsec_…`, used as is); `SettingsError` otherwise."""
+    if not secret.startswith("whsec_") or len(secret) < len("whsec_") + 8:
+        raise SettingsError(f"{_SECRETS_ENV}: a Stripe secret is whsec_ and 8 characters or more")
+    return secret
+
+
+class StripeVerifier:
+    """Checks `Stripe-Signature` against every configured secret (several during a rotation)."""
+
+    def __init__(
+        self,
+        secrets: Sequence[str],
+        *,
+        tolerance_s: float = LIBRARY_TOLERANCE_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not secrets:
+            raise SettingsError(f"{_SECRETS_ENV} is not set; `webhooks` needs a whsec_ secret")
+        self._secrets = [check_stripe_secret(secret) for secret in secrets]
+        self.tolerance_s = tolerance_s
+        self.clock = clock
+
+    def read_headers(self, headers: Mapping[str, str]) -> StripeSigned:
+        """The signature header, well-formed, or `MalformedDelivery`."""
+        return read_stripe_header(headers)
+
+    def check_time(self, signed: Signed) -> None:
+        """`UnauthenticDelivery` when `t` is further from now than the tolerance."""
+        if abs(self.clock() - signed.timestamp) > self.tolerance_s:
+            raise UnauthenticDelivery(
+                f"the Stripe-Signature timestamp is over {self.tolerance_s:g}s away from now"
+            )
+
+    def verify(self, body: bytes, signed: Signed) -> None:
+        """Pass if one `v1` signature matches one secret; else `UnauthenticDelivery`."""
+        assert isinstance(signed, StripeSigned)
+        self.check_time(signed)
+        try:
+            text = body.decode()
+        except UnicodeDecodeError as error:
+            raise MalformedDelivery("the body is not UTF-8") from error
+        for secret in self._secrets:
+            try:
+                stripe.WebhookSignature.verify_header(text, signed.header, secret, tolerance=None)
+            except stripe.SignatureVerificationError:
+                continue
+            return
+        raise UnauthenticDelivery("no valid signature")
+
+
+def stripe_signature(secret: str, body: bytes, *, timestamp: int | None = None) -> str:
+    """The `Stripe-Signature` header of a delivery (for the simulator and tests)."""
+    at = int(time.time()) if timestamp is None else timestamp
+    header: str = stripe.WebhookSignature.generate_signature_header(
+        body.decode(), secret, timestamp=at
+    )
+    return header
+
+
+def verifier_for(scheme: Scheme, cfg: WebhookSettings) -> Verifier | StripeVerifier:
+    """The verifier of `scheme` for the configured secrets and tolerance."""
+    if scheme == "stripe":
+        secrets = [secret.get_secret_value() for secret in cfg.webhook_secrets]
+        return StripeVerifier(secrets, tolerance_s=cfg.webhook_tolerance_s)
+    return Verifier.from_settings(cfg)

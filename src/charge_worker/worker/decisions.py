@@ -2,7 +2,8 @@
 
 | outcome                                   | action                                   |
 |-------------------------------------------|------------------------------------------|
-| charged, declined, blocked, duplicate     | ack                                      |
+| charged, declined, blocked, duplicate,    | ack                                      |
+| processing (the provider settles it later)|                                          |
 | poison, conflict, rejected                | dead letter with that reason, then term  |
 | any retryable outcome, deliveries left    | nak with delay (its own, else backoff)   |
 | crashed, last delivery                    | dead letter `max_deliveries`, then term  |
@@ -49,6 +50,7 @@ class Outcome(StrEnum):
 
     CHARGED = "charged"
     DECLINED = "declined"
+    PROCESSING = "processing"  # accepted; the bank settles it later: open, never re-sent
     BLOCKED = "blocked"
     DUPLICATE = "duplicate"
     POISON = "poison"
@@ -62,7 +64,9 @@ class Outcome(StrEnum):
     CRASHED = "crashed"  # an unexpected error while processing: a bug, not the world
 
 
-FINAL = frozenset({Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED, Outcome.DUPLICATE})
+FINAL = frozenset(
+    {Outcome.CHARGED, Outcome.DECLINED, Outcome.PROCESSING, Outcome.BLOCKED, Outcome.DUPLICATE}
+)
 PERMANENT = frozenset({Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED})
 
 
@@ -161,7 +165,9 @@ def decide(result: Result, delivery: int, policy: Policy) -> Action:
 
 MAX_EXHAUSTIONS = 3  # copies of one message that may run out of deliveries unsettled
 EXHAUSTED_HEADER = "Charge-Exhausted"  # on a requeued copy: how many copies ran out before
-SETTLED_STATUSES = frozenset({"succeeded", "declined", "blocked", "failed", "refunded"})
+SETTLED_STATUSES = frozenset(
+    {"succeeded", "declined", "blocked", "failed", "refunded", "processing"}
+)  # processing: settled by the provider's webhook or reconcile, never by a redelivery
 
 
 def after_deliveries_ran_out(

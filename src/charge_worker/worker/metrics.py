@@ -53,6 +53,13 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.declines = Counter(
+            f"{PREFIX}_declines",
+            "Charges the provider declined, by kind: authentication_required (the bank wants "
+            "the customer present: billing asks them to) or card_declined (any other reason).",
+            ["kind"],
+            registry=registry,
+        )
         self.scoring = Counter(
             f"{PREFIX}_scoring",
             "Scoring calls by result (approve, block, failed_<policy>).",

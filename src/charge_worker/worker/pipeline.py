@@ -17,8 +17,15 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from charge_worker.errors import ChargeWorkerError, NoVerdict, OutcomeUnknown
-from charge_worker.gateway import GatewayClient
+from charge_worker import tracing
+from charge_worker.errors import (
+    AlreadySettled,
+    ChargeWorkerError,
+    LeaseHeld,
+    NoVerdict,
+    OutcomeUnknown,
+)
+from charge_worker.gateway import AUTHENTICATION_REQUIRED, CARD_DECLINED, Gateway
 from charge_worker.ledger import Claim, Ledger, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
@@ -79,7 +86,7 @@ class Pipeline:
     def __init__(
         self,
         ledger: Ledger,
-        gateway: GatewayClient,
+        gateway: Gateway,
         scoring: ScoringClient,
         *,
         owner: str,
@@ -98,9 +105,16 @@ class Pipeline:
         done = Processed(Result(Outcome.UNAVAILABLE), delivery)
         try:
             done.charge = parse(delivery.data)
-            done.claim = await self.ledger.claim(
-                done.charge, self.owner, delivery.stream_seq, revive_failed=delivery.replayed
+            # the delivery's lines name the charge from here on (consumer.py unbinds them)
+            structlog.contextvars.bind_contextvars(
+                order_id=done.charge.order_id,
+                billing_period=done.charge.billing_period.isoformat(),
             )
+            # what stands in the way of a claim is an answer, not a fault of the claim
+            with tracing.span("charge.claim", expected=(AlreadySettled, LeaseHeld)):
+                done.claim = await self.ledger.claim(
+                    done.charge, self.owner, delivery.stream_seq, revive_failed=delivery.replayed
+                )
             self.failpoints.hit("after_claim")
             done.result = await self._charge(done, done.charge, done.claim)
         except ChargeWorkerError as error:
@@ -128,7 +142,8 @@ class Pipeline:
         if done.claim is not None and not done.state_written:
             done.state_written = True
             try:
-                await self._write(done, done.claim, action, story)
+                with tracing.span("charge.settle"):
+                    await self._write(done, done.claim, action, story)
             except ChargeWorkerError as error:
                 if done.settlement is not None:
                     done.settlement = None
@@ -168,7 +183,8 @@ class Pipeline:
 
     async def _charge(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
         if claim.outcome_unknown:
-            found = await self._look_up(done, charge)
+            with tracing.span("charge.lookup"):
+                found = await self._look_up(done, charge)
             done.notes["lookup"] = found.outcome.value if found else "nothing"
             if found:
                 return found
@@ -213,7 +229,8 @@ class Pipeline:
         self.failpoints.hit("before_gateway_call")
         done.called = True
         try:
-            answer = await self.gateway.charge(charge, traceparent=done.delivery.traceparent)
+            with tracing.span("charge.gateway"):
+                answer = await self.gateway.charge(charge, traceparent=done.delivery.traceparent)
         except ChargeWorkerError as error:
             self._gateway_answered(done, result_of(error).outcome.value)
             if error.outcome == Outcome.REJECTED:
@@ -225,7 +242,14 @@ class Pipeline:
         if answer.status == "succeeded":
             done.settlement = Settlement("succeeded", charge_id=answer.charge_id)
             return Result(Outcome.CHARGED)
-        done.settlement = Settlement("declined", error=answer.decline_code)
+        if answer.status == "processing":
+            done.settlement = Settlement("processing", charge_id=answer.charge_id)
+            return Result(Outcome.PROCESSING)
+        done.notes["decline"] = answer.decline_code
+        self.metrics.declines.labels(answer.decline_kind or CARD_DECLINED).inc()
+        done.settlement = Settlement(
+            "declined", error=answer.decline_code, decline_code=answer.decline_code
+        )
         return Result(Outcome.DECLINED)
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
@@ -234,13 +258,23 @@ class Pipeline:
 
     async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
         """What the gateway already did for this key, as a result to settle; None if nothing."""
-        found = await self.gateway.lookup(charge.order_id, charge.billing_period)
+        found = await self.gateway.lookup(
+            charge.order_id, charge.billing_period, customer_id=charge.customer_id
+        )
         # a charge refunded since was made all the same: record it, never charge again
         charged = [c for c in found if c.captured] or [c for c in found if c.charged]
         if charged:
             done.settlement = Settlement("succeeded", charge_id=charged[0].id)
             return Result(Outcome.CHARGED)
-        if any(c.status == "failed" for c in found):
-            done.settlement = Settlement("declined", error="declined (found by lookup)")
+        if processing := [c for c in found if c.processing]:  # the bank settles it: wait
+            done.settlement = Settlement("processing", charge_id=processing[0].id)
+            return Result(Outcome.PROCESSING)
+        if failed := [c for c in found if c.status == "failed"]:
+            code = failed[-1].decline_code
+            kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
+            self.metrics.declines.labels(kind).inc()
+            done.settlement = Settlement(
+                "declined", error=f"{code or 'declined'} (found by lookup)", decline_code=code
+            )
             return Result(Outcome.DECLINED)
         return None

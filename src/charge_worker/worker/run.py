@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from charge_worker import event_loop, http, streams
 from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
-from charge_worker.gateway import GatewayClient
+from charge_worker.gateway import build_gateway
 from charge_worker.ledger import DeferredChecks, Ledger
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.scoring import ScoringClient
@@ -65,7 +65,7 @@ async def run_worker(
         log.warning("streams.drift", detail=str(drift))
     pool = await create_pool(settings.db)
     limiter = RateLimiter(pool, rate_per_s=settings.gateway.gateway_rate_limit)
-    gateway = GatewayClient(settings.gateway, limiter=limiter)
+    gateway = build_gateway(settings.gateway, limiter=limiter)
     scoring = ScoringClient(settings.scoring)
     metrics = Metrics(registry or CollectorRegistry())
     metrics.watch(gateway.breaker)

@@ -18,8 +18,9 @@ import datetime as dt
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
+from typing import Literal
 
 import asyncpg
 import click
@@ -29,6 +30,7 @@ from nats.js import JetStreamContext
 
 from charge_worker import event_loop, streams
 from charge_worker.display import without_credentials
+from charge_worker.errors import SettingsError
 from charge_worker.migrate import migrate
 from charge_worker.sandbox.demo import report
 from charge_worker.sandbox.demo.progress import await_settled, scrape_when_counted
@@ -42,7 +44,7 @@ from charge_worker.sandbox.demo.workers import (
     describe,
 )
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
-from charge_worker.sandbox.gateway.app import build_gateway_app
+from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.nats_cluster import NatsCluster
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY, ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
@@ -224,24 +226,40 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
         return problems
 
 
+def demo_gateway_kind(environ: Mapping[str, str]) -> Literal["contract", "stripe"]:
+    """`GATEWAY_KIND` (`contract`, the default, or `stripe`): the adapter the workers use
+    and the simulator's flavour; `SettingsError` naming it otherwise."""
+    kind = environ.get("GATEWAY_KIND") or "contract"
+    if kind not in ("contract", "stripe"):
+        raise SettingsError(f"GATEWAY_KIND: {kind!r} is not contract or stripe")
+    return "stripe" if kind == "stripe" else "contract"
+
+
 def run_demo(*, keep: bool = False, nats_cluster: int = 1) -> None:
     """Run the demo from start to end, printing each step; `DemoFailed` if something broke.
 
     `nats_cluster=3`: on an embedded 3-node JetStream cluster, the streams replicated 3 times.
     """
+    kind = demo_gateway_kind(os.environ)  # before anything starts: a bad value fails first
     _step("starting NATS JetStream, PostgreSQL and the simulators")
     external = bool(os.environ.get("NATS_URL") or os.environ.get("DATABASE_URL"))
     nats = NatsCluster() if nats_cluster == 3 else NatsServer()
     with (
         _server("NATS_URL", nats) as nats_url,
         _server("DATABASE_URL", PostgresServer()) as database_url,
-        ServedApp(build_gateway_app()) as gateway,
+        ServedApp(build_gateway_app(GatewayConfig(flavour=kind))) as gateway,
         ServedApp(build_scoring_app(_scoring_config())) as scoring,
     ):
-        click.echo(f"    gateway simulator on {gateway.url}, scoring simulator on {scoring.url}")
+        click.echo(
+            f"    gateway simulator ({kind} flavour, GATEWAY_KIND={kind}) on {gateway.url},"
+            f" scoring simulator on {scoring.url}"
+        )
         click.echo(f"    scoring latency: the incident's shape, {SCORING_SHAPE}")
         settings = demo_settings(
             nats_url, database_url, gateway.url, scoring.url, external=external
+        )
+        settings = settings.model_copy(
+            update={"gateway": settings.gateway.model_copy(update={"kind": kind})}
         )
         if nats_cluster == 3:
             replicated = settings.nats.model_copy(update={"stream_replicas": 3})

@@ -6,9 +6,10 @@
 Rules:
 
 * auth: every `/v1` request needs `Authorization: Bearer <api_key>`, else `401`;
-* decline rule: a customer id starting with `cus_decline` is declined: `402 card_declined`.
-  The attempt is recorded as a charge with status `failed` (lookups find it) and its answer
-  is kept for replay like any other;
+* decline rule: a customer id starting with `cus_decline` is declined: `402 card_declined`;
+  one starting with `cus_auth`: `402 authentication_required` (the bank wants the customer
+  present). The attempt is recorded as a charge with status `failed` (lookups find it) and
+  its answer is kept for replay like any other;
 * validation: a body that is not a JSON object, a missing or unknown parameter, or a bad
   query is `400`; a present parameter with a wrong type or value is `422`
   (amount: positive int, not bool or float; currency: three upper-case letters; customer:
@@ -102,6 +103,7 @@ from charge_worker.sandbox.gateway.webhooks import WebhookDelivery
 from charge_worker.sandbox.simulator import Simulator, pause, read_json
 
 __all__ = [  # GatewayConfig lives in config.py; callers import it from here
+    "AUTH_PREFIX",
     "DECLINE_PREFIX",
     "ChargeEvents",
     "GatewayConfig",
@@ -111,20 +113,53 @@ __all__ = [  # GatewayConfig lives in config.py; callers import it from here
 ]
 
 DECLINE_PREFIX = "cus_decline"
+AUTH_PREFIX = "cus_auth"  # declined: the bank wants the customer to authenticate
+DECLINE_MESSAGES = {
+    "card_declined": "Your card was declined.",
+    "authentication_required": "Your card was declined. This transaction requires authentication.",
+}
+
+
+def decline_code(customer: str) -> str | None:
+    """The decline a customer id asks for (`cus_decline…`, `cus_auth…`), or None."""
+    if customer.startswith(DECLINE_PREFIX):
+        return "card_declined"
+    if customer.startswith(AUTH_PREFIX):
+        return "authentication_required"
+    return None
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
 class ChargeEvents(Protocol):
-    """Where the simulator announces each change of a charge object (webhook delivery)."""
+    """Where the simulator announces each change of a charge object (webhook delivery).
 
-    def publish(self, event_type: str, snapshot: dict[str, Any]) -> None:
+    `object_id` and `revision` name the charge and its version when `snapshot` carries no
+    revision of its own (the Stripe flavour's objects)."""
+
+    def publish(
+        self,
+        event_type: str,
+        snapshot: dict[str, Any],
+        *,
+        object_id: str | None = None,
+        revision: int | None = None,
+    ) -> None:
         """Take note of an event; must not block."""
 
 
 class NoEvents:
     """Drops every event."""
 
-    def publish(self, event_type: str, snapshot: dict[str, Any]) -> None:
+    def publish(
+        self,
+        event_type: str,
+        snapshot: dict[str, Any],
+        *,
+        object_id: str | None = None,
+        revision: int | None = None,
+    ) -> None:
         """Do nothing."""
 
 
@@ -316,29 +351,60 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         """Auth, then an injected error, if either stops the request here."""
         expected = f"Bearer {self.config.api_key}".encode()
         if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            return api_error(
-                401,
-                "invalid_request_error",
-                "api_key_invalid",
-                "Invalid API key provided.",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            return self.unauthorized()
         if not self._within_rate():
             self.rate_limited += 1
-            retry_after = {"Retry-After": str(self.config.retry_after_s)}
-            return api_error(
-                429, "rate_limit_error", "rate_limit", "Too many requests.", headers=retry_after
-            )
+            return self.too_many()
         status = self._draw_error()
         if status is None:
             return None
         self.injected_errors += 1
-        if status == 429:
-            retry_after = {"Retry-After": str(self.config.retry_after_s)}
-            return api_error(
-                429, "rate_limit_error", "rate_limit", "Too many requests.", headers=retry_after
-            )
+        return self.too_many() if status == 429 else self.injected(status)
+
+    # The wire format's answers to what the simulator refuses; a flavour overrides them.
+
+    def unauthorized(self) -> Response:
+        """A missing or wrong API key."""
+        return api_error(
+            401,
+            "invalid_request_error",
+            "api_key_invalid",
+            "Invalid API key provided.",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    def too_many(self) -> Response:
+        """Over the account's rate (or a 429 drawn), with `Retry-After`."""
+        retry_after = {"Retry-After": str(self.config.retry_after_s)}
+        return api_error(
+            429, "rate_limit_error", "rate_limit", "Too many requests.", headers=retry_after
+        )
+
+    def injected(self, status: int) -> Response:
+        """A drawn 5xx, before anything is recorded."""
         return api_error(status, "api_error", "simulated_error", f"Simulated {status}.")
+
+    def in_progress(self) -> Response:
+        """The key's first request is still executing."""
+        return api_error(
+            409,
+            "idempotency_error",
+            "request_in_progress",
+            "A request with this idempotency key is being processed.",
+        )
+
+    def key_reused(self) -> Response:
+        """The key was used with other parameters."""
+        return api_error(
+            400,
+            "idempotency_error",
+            "key_reused",
+            "This idempotency key was used with different parameters.",
+        )
+
+    def lost(self) -> Response:
+        """A lost answer's 502: the request was executed, the answer is gone."""
+        return api_error(502, "api_error", "bad_gateway", "The upstream answer was lost.")
 
     def _within_rate(self) -> bool:
         """A token bucket of one second's worth at `rate_limit_per_s`, as a provider's
@@ -369,15 +435,18 @@ class GatewaySimulator(Simulator[GatewayConfig]):
     async def _execute(
         self,
         request: Request,
-        key: str,
+        key: str | None,
         fingerprint: str,
         execute: Callable[[ChargeBook], StoredResponse],
         *,
         answer_may_be_lost: bool,
     ) -> Response:
-        """Run `execute` once per idempotency key, replaying its answer to repeats."""
+        """Run `execute` once per idempotency key, replaying its answer to repeats (a
+        request without a key, which only the Stripe flavour allows, runs every time)."""
         config, book, keys = self.config, self.book, self.keys
-        if config.idempotency_enabled:
+        idempotent = config.idempotency_enabled and key is not None
+        if idempotent:
+            assert key is not None
             claim = keys.claim(
                 key, fingerprint, now=time.monotonic(), retention_s=config.key_retention_s
             )
@@ -385,29 +454,21 @@ class GatewaySimulator(Simulator[GatewayConfig]):
                 case Replay(response):
                     return answer(response, replayed=True)
                 case InProgress():
-                    return api_error(
-                        409,
-                        "idempotency_error",
-                        "request_in_progress",
-                        "A request with this idempotency key is being processed.",
-                    )
+                    return self.in_progress()
                 case KeyReused():
-                    return api_error(
-                        400,
-                        "idempotency_error",
-                        "key_reused",
-                        "This idempotency key was used with different parameters.",
-                    )
+                    return self.key_reused()
                 case Claimed():
                     pass
         try:
             await asyncio.sleep(config.latency.sample(self.rng))
             response = execute(book)
         except BaseException:
-            if config.idempotency_enabled:
+            if idempotent:
+                assert key is not None
                 keys.release(key)
             raise
-        if config.idempotency_enabled:
+        if idempotent:
+            assert key is not None
             keys.complete(key, response)
         if (
             answer_may_be_lost
@@ -416,7 +477,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         ):
             self.lost_answers += 1
             if config.lost_answer_mode == "5xx":
-                return api_error(502, "api_error", "bad_gateway", "The upstream answer was lost.")
+                return self.lost()
             await pause(request, config.lost_answer_delay_s)
         return answer(response)
 
@@ -426,7 +487,8 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         return new_id
 
     def _charge(self, book: ChargeBook, params: ChargeParams, key: str) -> StoredResponse:
-        declined = params.customer.startswith(DECLINE_PREFIX)
+        code = decline_code(params.customer)
+        declined = code is not None
         charge = book.add(
             Charge(
                 id=self._new_id("ch", book),
@@ -442,7 +504,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         self.events.publish(f"charge.{charge.status}", charge.to_json())
         if not declined:
             return StoredResponse(200, charge.to_json())
-        error = error_body("card_error", "card_declined", "Your card was declined.", None)
+        error = error_body("card_error", str(code), DECLINE_MESSAGES[str(code)], None)
         return StoredResponse(402, {"error": error | {"charge": charge.id}})
 
     def _refund(self, book: ChargeBook, charge_id: str) -> StoredResponse:
@@ -458,8 +520,15 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 
 
 def build_gateway_app(config: GatewayConfig | None = None) -> Starlette:
-    """The gateway simulator as an ASGI app; its `GatewaySimulator` is `app.state.sim`."""
-    sim = GatewaySimulator(config or GatewayConfig())
+    """The gateway simulator as an ASGI app, in the configured flavour (contracts/gateway.md,
+    or Stripe's: `stripe.py`); its `GatewaySimulator` is `app.state.sim`."""
+    config = config or GatewayConfig()
+    if config.flavour == "stripe":
+        from charge_worker.sandbox.gateway.stripe import StripeSimulator  # noqa: PLC0415
+
+        sim: GatewaySimulator = StripeSimulator(config)
+    else:
+        sim = GatewaySimulator(config)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

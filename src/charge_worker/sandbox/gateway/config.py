@@ -20,6 +20,8 @@ class GatewayConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # the wire format: contracts/gateway.md, or Stripe's subset (`stripe.py`)
+    flavour: Literal["contract", "stripe"] = "contract"
     api_key: str = "sk_test_sandbox"
     latency: LatencyModel = LatencyModel()
     error_rates: dict[int, float] = Field(default_factory=dict)
@@ -29,6 +31,7 @@ class GatewayConfig(BaseModel):
     lost_answer_mode: Literal["timeout", "5xx"] = "timeout"
     lost_answer_delay_s: float = Field(30.0, ge=0)
     idempotency_enabled: bool = True
+    processing_settle_s: float = Field(1.0, ge=0)  # Stripe flavour: a bank debit's delay
     key_retention_s: float = Field(86400.0, gt=0)
     seed: int | None = None
     webhook_url: str | None = None

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ChargeStatus = Literal["succeeded", "failed"]
+ChargeStatus = Literal["succeeded", "failed", "processing"]  # processing: Stripe flavour
 
 
 @dataclass
@@ -215,6 +215,11 @@ class ChargeBook:
         key = (charge.metadata.get("order_id", ""), charge.metadata.get("billing_period", ""))
         self._by_key.setdefault(key, []).append(charge)
         return charge
+
+    @property
+    def in_order(self) -> bool:
+        """Charges were made in `created` order (no clock was set back)."""
+        return self._in_order
 
     def get(self, charge_id: str) -> Charge | None:
         """The charge with this id, if any."""

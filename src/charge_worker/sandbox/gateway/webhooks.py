@@ -3,7 +3,10 @@
 Every change of a charge object becomes an event `{"id": "evt_…", "type", "created", "data":
 {"object": <the charge with its revision>}}`, POSTed to `webhook_url` and signed with
 `webhook_secret` per Standard Webhooks (`webhook-id` is the event id, the same on every
-attempt and copy). A delivery that gets no 2xx within `webhook_timeout_s` is tried again after
+attempt and copy). The Stripe flavour sends Stripe's envelope (`"object": "event"`,
+`api_version`) with its object (a PaymentIntent, a Charge, a Dispute: no revision), signed
+`Stripe-Signature: t=<now>,v1=<hex HMAC-SHA256 of "t.body">` with the secret as is.
+A delivery that gets no 2xx within `webhook_timeout_s` is tried again after
 each step of `webhook_retry_schedule_s` (the contract's: at once, 30 s, 3 min, then growing
 gaps up to 3 days), each step times `webhook_time_scale`, so tests run the schedule in moments.
 URL and secret are read at every attempt, as a real gateway reads its endpoint settings.
@@ -31,8 +34,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from charge_worker.webhooks.signature import signed_headers
+from charge_worker.webhooks.signature import signed_headers, stripe_signature
 
+STRIPE_API_VERSION = "2026-10-28.endive"  # stripe-python 16's pinned version
 # again at once, 30 s, 3 min, then growing gaps: 246 810 s in all, within the 3 days
 CONTRACT_RETRY_SCHEDULE_S = (0.0, 30.0, 180.0, 1800.0, 7200.0, 21600.0, 43200.0, 86400.0, 86400.0)
 
@@ -58,6 +62,8 @@ class WebhookKnobs(Protocol):
     def webhook_reorder_delay_s(self) -> float: ...
     @property
     def webhook_duplicate(self) -> float: ...
+    @property
+    def flavour(self) -> str: ...
 
 
 @dataclass
@@ -94,27 +100,40 @@ class WebhookDelivery:
         self._holds = {}
         self.rng.seed(self.knobs().seed)
 
-    def publish(self, event_type: str, snapshot: dict[str, Any]) -> None:
-        """Start delivering an event about `snapshot`; never blocks (no URL: dropped)."""
+    def publish(
+        self,
+        event_type: str,
+        snapshot: dict[str, Any],
+        *,
+        object_id: str | None = None,
+        revision: int | None = None,
+    ) -> None:
+        """Start delivering an event about `snapshot`; never blocks (no URL: dropped).
+
+        `object_id` and `revision` order the deliveries of one charge (reordering holds an
+        event until a later one of the same charge went out); by default the snapshot's own
+        (a Stripe object carries no revision: the Stripe flavour passes them)."""
         knobs = self.knobs()
         if knobs.webhook_url is None:
             return
         event_id = f"evt_{self.rng.getrandbits(64):016x}"
-        event = {
+        event: dict[str, Any] = {
             "id": event_id,
             "type": event_type,
             "created": int(time.time()),
             "data": {"object": snapshot},
         }
+        if knobs.flavour == "stripe":  # Stripe's event envelope
+            event |= {"object": "event", "api_version": STRIPE_API_VERSION, "livemode": False}
         body = json.dumps(event).encode()
+        object_id = object_id or snapshot["id"]
+        revision = revision if revision is not None else snapshot["revision"]
         held_back = (
             knobs.webhook_reorder_delay_s if self.rng.random() < knobs.webhook_reorder else 0
         )
         copies = 2 if self.rng.random() < knobs.webhook_duplicate else 1
         for copy in range(copies):
-            delivery = Delivery(
-                event_id, event_type, snapshot["id"], snapshot["revision"], copy, held_back
-            )
+            delivery = Delivery(event_id, event_type, object_id, revision, copy, held_back)
             self.deliveries.append(delivery)
             task = asyncio.get_running_loop().create_task(self._deliver(delivery, body))
             self._tasks.add(task)
@@ -178,7 +197,10 @@ async def _attempt(
     """One POST: its status code, or the name of the error that stood for an answer."""
     assert knobs.webhook_url is not None
     headers = {"content-type": "application/json"}
-    headers |= signed_headers(knobs.webhook_secret, event_id, body)
+    if knobs.flavour == "stripe":
+        headers["Stripe-Signature"] = stripe_signature(knobs.webhook_secret, body)
+    else:
+        headers |= signed_headers(knobs.webhook_secret, event_id, body)
     try:
         async with asyncio.timeout(knobs.webhook_timeout_s):  # httpx's timeout is per phase
             response = await client.post(knobs.webhook_url, content=body, headers=headers)

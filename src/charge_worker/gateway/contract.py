@@ -1,4 +1,4 @@
-"""The payment gateway client (contracts/gateway.md): charge, look up, page history, refund.
+"""The `contract` adapter: the project's own gateway API (contracts/gateway.md).
 
 Every answer is classified here, and only here:
 
@@ -24,15 +24,10 @@ Every `OutcomeUnknown` and `DependencyUnavailable` counts toward the breaker.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import aiohttp
 import httpx
-import pybreaker
 
 from charge_worker.errors import (
     DependencyUnavailable,
@@ -41,89 +36,25 @@ from charge_worker.errors import (
     RateLimited,
     RequestInProgress,
 )
-from charge_worker.http import build_breaker, build_client, open_for_s
+from charge_worker.gateway.guard import Guarded, never_sent, retry_after
+from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
+from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
+from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.settings import GatewaySettings, require
 
-DEFAULT_RETRY_AFTER_S = 1.0
 IN_PROGRESS_RETRY_S = 2.0
 FINAL_ERROR_TYPES = frozenset({"invalid_request_error", "idempotency_error"})
 FINAL_ERROR_CODES = frozenset({"charge_already_refunded"})  # the contract gives it no type
 
 
-@dataclass(frozen=True)
-class ChargeResult:
-    """A definitive answer to a charge: charged (possibly replayed) or declined."""
-
-    status: Literal["succeeded", "declined"]
-    charge_id: str | None
-    replayed: bool = False
-    decline_code: str | None = None
-
-
-@dataclass(frozen=True)
-class GatewayCharge:
-    """A charge as the gateway's history shows it.
-
-    A refunded charge keeps `status == "succeeded"` (contracts/gateway.md, "Refunds"):
-    `amount_refunded` and `refunded` show the refund, and `captured` says whether money is
-    still held by it.
-    """
-
-    id: str
-    status: str  # succeeded | failed
-    amount: int
-    currency: str
-    customer: str
-    order_id: str | None
-    billing_period: str | None
-    created: int
-    amount_refunded: int = 0
-    refunded: bool = False
-
-    @property
-    def charged(self) -> bool:
-        """The gateway made this charge (whether refunded since or not)."""
-        return self.status == "succeeded"
-
-    @property
-    def captured(self) -> bool:
-        """Money is still held by this charge: made, and not refunded in full."""
-        return self.charged and self.amount - self.amount_refunded > 0
-
-    @property
-    def fingerprint(self) -> str:
-        """Amount, currency and customer, as `charge_attempts.fingerprint` spells them."""
-        return f"{self.amount} {self.currency} {self.customer}"
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GatewayCharge:
-        metadata = data.get("metadata") or {}
-        amount, status = int(data["amount"]), str(data["status"])
-        refunded_in_full = status == "refunded"  # the status an older gateway reported
-        return cls(
-            id=str(data["id"]),
-            status="succeeded" if refunded_in_full else status,
-            amount=amount,
-            currency=str(data["currency"]),
-            customer=str(data["customer"]),
-            order_id=metadata.get("order_id"),
-            billing_period=metadata.get("billing_period"),
-            created=int(data["created"]),
-            amount_refunded=amount if refunded_in_full else int(data.get("amount_refunded") or 0),
-            refunded=refunded_in_full or data.get("refunded") is True,
-        )
-
-
-@dataclass(frozen=True)
-class HistoryPage:
-    charges: list[GatewayCharge]
-    has_more: bool
-
-
-class GatewayClient:
+class ContractGateway(Guarded):
     """One shared client per process; `transport` is for unit tests only."""
+
+    kind: GatewayKind = "contract"
+    history_order: HistoryOrder = "oldest_first"
+    webhook_scheme: WebhookScheme = "standard"
 
     def __init__(
         self,
@@ -134,7 +65,7 @@ class GatewayClient:
     ) -> None:
         api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
         require(api_key, "GATEWAY_API_KEY")
-        self.timeout_s = cfg.gateway_timeout_s
+        super().__init__(cfg, limiter=limiter)
         self.client = build_client(
             require(cfg.url, "GATEWAY_URL"),
             timeout_s=cfg.gateway_timeout_s,
@@ -142,19 +73,10 @@ class GatewayClient:
             headers={"Authorization": f"Bearer {api_key}"},
             transport=transport,
         )
-        self.breaker = build_breaker(
-            "gateway", fail_max=cfg.gateway_breaker_failures, reset_s=cfg.gateway_breaker_reset_s
-        )
-        # the fleet's request rate: each request spends a token (none while the rate is off)
-        self.limiter = limiter or RateLimiter(None, rate_per_s=0)
 
     async def aclose(self) -> None:
+        """Release the connections."""
         await self.client.aclose()
-
-    @property
-    def available(self) -> bool:
-        """False while the breaker is open: callers should stop taking work."""
-        return open_for_s(self.breaker) == 0.0
 
     async def charge(self, charge: ChargeDue, *, traceparent: str | None = None) -> ChargeResult:
         """Charge once per key; raise the domain error the answer stands for."""
@@ -182,8 +104,11 @@ class GatewayClient:
             return ChargeResult("declined", None, decline_code=str(code))
         raise _classify(response)
 
-    async def lookup(self, order_id: int, billing_period: dt.date) -> list[GatewayCharge]:
-        """Every charge the gateway holds for this key (normally 0 or 1)."""
+    async def lookup(
+        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+    ) -> list[GatewayCharge]:
+        """Every charge the gateway holds for this key (normally 0 or 1); the contract
+        finds it by the key alone."""
         params = {"order_id": str(order_id), "billing_period": billing_period.isoformat()}
         return (await self._page(params)).charges
 
@@ -221,6 +146,13 @@ class GatewayClient:
             return "already"
         raise _classify(response)
 
+    async def retrieve(self, charge_id: str) -> GatewayCharge | None:
+        """contracts/gateway.md has no charge by id: its webhooks carry the whole charge at
+        a revision (the `standard` scheme), so nothing needs one. Raises `GatewayRejected`."""
+        raise GatewayRejected(
+            f"contracts/gateway.md has no GET /v1/charges/{{id}} (asked for {charge_id})"
+        )
+
     async def probe(self) -> bool:
         """A cheap read that lets an open breaker close again without spending a charge."""
         try:
@@ -241,38 +173,22 @@ class GatewayClient:
         return HistoryPage(charges, bool(data.get("has_more")))
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        await self.limiter.spend()
-        try:
-            with self.breaker.calling():
-                try:
-                    async with asyncio.timeout(self.timeout_s):
-                        response = await self.client.request(method, path, **kwargs)
-                except httpx.TransportError as error:
-                    if _never_sent(error):
-                        raise DependencyUnavailable(f"gateway unreachable: {error}") from error
-                    raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
-                except (TimeoutError, httpx.HTTPError) as error:
-                    raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
-                if response.status_code >= 500:
-                    raise OutcomeUnknown(f"gateway answered {response.status_code}")
-                if (refused := _refused(response)) is not None:
-                    raise refused  # inside the breaker: it counts
-                return response
-        except pybreaker.CircuitBreakerError as error:
-            raise DependencyUnavailable(
-                "gateway breaker open", retry_after_s=open_for_s(self.breaker)
-            ) from error
+        async def request() -> httpx.Response:
+            try:
+                response = await self.client.request(method, path, **kwargs)
+            except httpx.TransportError as error:
+                if never_sent(error):
+                    raise DependencyUnavailable(f"gateway unreachable: {error}") from error
+                raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
+            except httpx.HTTPError as error:
+                raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
+            if response.status_code >= 500:
+                raise OutcomeUnknown(f"gateway answered {response.status_code}")
+            if (refused := _refused(response)) is not None:
+                raise refused  # inside the breaker: it counts
+            return response
 
-
-def _never_sent(error: httpx.TransportError) -> bool:
-    """True when the request cannot have reached the gateway (no connection was made).
-
-    httpx-aiohttp maps aiohttp's connect failure to `ConnectTimeout`, the same class it uses
-    for a connection dropped after sending, so the aiohttp cause is what tells them apart.
-    """
-    return isinstance(error, httpx.ConnectError) or isinstance(
-        error.__cause__, aiohttp.ClientConnectorError
-    )
+        return await self.guarded(f"{method} {path}", request)
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -328,17 +244,7 @@ def _classify(response: httpx.Response) -> Exception:
     if response.status_code == 409:
         return RequestInProgress(summary, retry_after_s=IN_PROGRESS_RETRY_S)
     if response.status_code == 429:
-        return RateLimited(summary, retry_after_s=_retry_after(response))
+        return RateLimited(summary, retry_after_s=retry_after(response.headers.get("Retry-After")))
     if _verdict(response):
         return GatewayRejected(summary)
     return OutcomeUnknown(summary)  # e.g. a 402 where none belongs: nothing is known
-
-
-def _retry_after(response: httpx.Response) -> float:
-    """`Retry-After` in seconds, >= 0; unreadable or not finite (`inf`, `nan`): the default.
-    How long is too long is for the decisions, which know the backoff."""
-    try:
-        delay = float(response.headers.get("Retry-After", DEFAULT_RETRY_AFTER_S))
-    except ValueError:
-        return DEFAULT_RETRY_AFTER_S
-    return max(delay, 0.0) if math.isfinite(delay) else DEFAULT_RETRY_AFTER_S

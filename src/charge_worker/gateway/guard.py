@@ -1,0 +1,101 @@
+"""What every adapter's request goes through, whatever the provider: a token of the fleet's
+rate, the breaker, a hard total deadline.
+
+pybreaker has no native asyncio, so a call is `with breaker.calling(): await …`, under
+`asyncio.timeout` (a client's own timeout bounds each phase, not the whole call). The
+request passed in translates its driver's errors into domain errors itself, inside the
+breaker, so that an `OutcomeUnknown` or `DependencyUnavailable` counts toward it and a
+verdict (decline, rejection, 409, 429) does not (`http.build_breaker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aiohttp
+import httpx
+import pybreaker
+
+from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
+from charge_worker.http import build_breaker, open_for_s
+from charge_worker.ratelimit import RateLimiter
+from charge_worker.settings import GatewaySettings
+
+T = TypeVar("T")
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+class Guarded:
+    """The limiter, breaker and deadline an adapter shares with the pull loop (which reads
+    `breaker` and `limiter` to stop fetching while the provider is down or the fleet's rate
+    is spent)."""
+
+    def __init__(self, cfg: GatewaySettings, *, limiter: RateLimiter | None) -> None:
+        self.timeout_s = cfg.gateway_timeout_s
+        self.breaker = build_breaker(
+            "gateway", fail_max=cfg.gateway_breaker_failures, reset_s=cfg.gateway_breaker_reset_s
+        )
+        # the fleet's request rate: each request spends a token (none while the rate is off)
+        self.limiter = limiter or RateLimiter(None, rate_per_s=0)
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open: callers should stop taking work."""
+        return open_for_s(self.breaker) == 0.0
+
+    async def guarded(
+        self, what: str, request: Callable[[], Awaitable[T]], *, success_counts: bool = True
+    ) -> T:
+        """Spend a token, then run `request` inside the breaker under the deadline.
+
+        `success_counts=False`: a read that a charge makes first (Stripe's saved card) must
+        not close the breaker's count of the charge calls failing after it, or an outage of
+        charges alone would never open it; its failures still count."""
+        await self.limiter.spend()
+        try:
+            if success_counts or self.breaker.current_state != pybreaker.STATE_CLOSED:
+                with self.breaker.calling():
+                    return await self._within_deadline(what, request)
+            try:
+                return await self._within_deadline(what, request)
+            except (OutcomeUnknown, DependencyUnavailable) as failure:
+                with self.breaker.calling():  # counted as the breaker counts any failure
+                    raise failure from failure.__cause__
+        except pybreaker.CircuitBreakerError as error:
+            raise DependencyUnavailable(
+                "gateway breaker open", retry_after_s=open_for_s(self.breaker)
+            ) from error
+
+    async def _within_deadline(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await request()
+        except TimeoutError as error:
+            raise OutcomeUnknown(f"gateway {what}: no answer within {self.timeout_s:g}s") from error
+
+
+def never_sent(error: BaseException) -> bool:
+    """True when the request cannot have reached the gateway (no connection was made).
+
+    httpx-aiohttp maps aiohttp's connect failure to `ConnectTimeout`, the same class it uses
+    for a connection dropped after sending, so the aiohttp cause is what tells them apart.
+    """
+    cause = error.__cause__
+    return (
+        isinstance(error, httpx.ConnectError)
+        or isinstance(cause, aiohttp.ClientConnectorError)
+        or (isinstance(cause, httpx.TransportError) and cause is not error and never_sent(cause))
+    )
+
+
+def retry_after(header: str | None) -> float:
+    """`Retry-After` in seconds, >= 0; unreadable or not finite (`inf`, `nan`): the default.
+    How long is too long is for the decisions, which know the backoff."""
+    try:
+        delay = float(header if header is not None else DEFAULT_RETRY_AFTER_S)
+    except ValueError:
+        return DEFAULT_RETRY_AFTER_S
+    return max(delay, 0.0) if math.isfinite(delay) else DEFAULT_RETRY_AFTER_S

@@ -1,0 +1,111 @@
+"""What every gateway adapter answers with: the domain's results, whatever the provider.
+
+A charge call ends in a `ChargeResult` (charged, declined, or processing) or raises one of
+the domain errors in `charge_worker.errors` (outcome unknown, retry after, in progress,
+rejected, unavailable). A provider's charge object, as lookups and history pages show it,
+is a `GatewayCharge`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+AUTHENTICATION_REQUIRED = "authentication_required"  # a decline: the bank wants the customer
+CARD_DECLINED = "card_declined"
+ChargeStatus = Literal["succeeded", "declined", "processing"]
+
+
+@dataclass(frozen=True)
+class ChargeResult:
+    """A definitive answer to a charge: charged (possibly replayed), declined with a code,
+    or processing (accepted; the bank settles it days later: not final, never re-sent)."""
+
+    status: ChargeStatus
+    charge_id: str | None
+    replayed: bool = False
+    decline_code: str | None = None
+
+    @property
+    def decline_kind(self) -> str | None:
+        """`authentication_required` (the customer must authenticate: billing e-mails them)
+        or `card_declined` for a decline; None otherwise."""
+        if self.status != "declined":
+            return None
+        return (
+            AUTHENTICATION_REQUIRED
+            if self.decline_code == AUTHENTICATION_REQUIRED
+            else (CARD_DECLINED)
+        )
+
+
+@dataclass(frozen=True)
+class GatewayCharge:
+    """A charge as the gateway's lookups and history show it.
+
+    `status` is `succeeded` (money taken, refunded since or not), `failed` (declined),
+    `processing` (accepted, the bank settles it later) or `incomplete` (made nothing and
+    will not by itself). A refunded charge keeps `status == "succeeded"`
+    (contracts/gateway.md, "Refunds"): `amount_refunded` and `refunded` show the refund,
+    and `captured` says whether money is still held by it. `currency` is upper case, as
+    the ledger spells it.
+    """
+
+    id: str
+    status: str
+    amount: int
+    currency: str
+    customer: str
+    order_id: str | None
+    billing_period: str | None
+    created: int
+    amount_refunded: int = 0
+    refunded: bool = False
+    decline_code: str | None = None  # of a failed one, when the provider says
+
+    @property
+    def charged(self) -> bool:
+        """The gateway made this charge (whether refunded since or not)."""
+        return self.status == "succeeded"
+
+    @property
+    def captured(self) -> bool:
+        """Money is still held by this charge: made, and not refunded in full."""
+        return self.charged and self.amount - self.amount_refunded > 0
+
+    @property
+    def processing(self) -> bool:
+        """Accepted, not settled yet: neither made nor failed, and never to be re-sent."""
+        return self.status == "processing"
+
+    @property
+    def fingerprint(self) -> str:
+        """Amount, currency and customer, as `charge_attempts.fingerprint` spells them."""
+        return f"{self.amount} {self.currency} {self.customer}"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GatewayCharge:
+        """A charge object of contracts/gateway.md."""
+        metadata = data.get("metadata") or {}
+        amount, status = int(data["amount"]), str(data["status"])
+        refunded_in_full = status == "refunded"  # the status an older gateway reported
+        return cls(
+            id=str(data["id"]),
+            status="succeeded" if refunded_in_full else status,
+            amount=amount,
+            currency=str(data["currency"]).upper(),
+            customer=str(data["customer"]),
+            order_id=metadata.get("order_id"),
+            billing_period=metadata.get("billing_period"),
+            created=int(data["created"]),
+            amount_refunded=amount if refunded_in_full else int(data.get("amount_refunded") or 0),
+            refunded=refunded_in_full or data.get("refunded") is True,
+        )
+
+
+@dataclass(frozen=True)
+class HistoryPage:
+    """One page of the gateway's charge history, in the adapter's `history_order`."""
+
+    charges: list[GatewayCharge]
+    has_more: bool

@@ -1,0 +1,95 @@
+"""A payment provider's simulator over real HTTP and the adapter that speaks its wire
+format: what the conformance suite, the integration tests and the chaos suite share.
+
+`flavour` is the simulator's wire format (`contract`: contracts/gateway.md; `stripe`:
+Stripe's subset), which is also the `GATEWAY_KIND` whose adapter speaks it. The simulator
+injects the faults (`configure`): lost answers, 5xx, 429, latency, idempotency off.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+from pydantic import SecretStr
+
+from charge_worker.gateway import Gateway, build_gateway
+from charge_worker.ratelimit import RateLimiter
+from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import GatewaySettings
+
+Flavour = Literal["contract", "stripe"]
+FLAVOURS: tuple[Flavour, ...] = ("contract", "stripe")
+API_KEY = "sk_test_sandbox"
+
+
+@dataclass
+class Provider:
+    """A running simulator of one flavour."""
+
+    flavour: Flavour
+    served: ServedApp
+
+    @property
+    def url(self) -> str:
+        return self.served.url
+
+    def settings(self, **overrides: Any) -> GatewaySettings:
+        """Gateway settings that point the `flavour` adapter at this simulator."""
+        values: dict[str, Any] = {
+            "kind": self.flavour,
+            "url": self.url,
+            "api_key": SecretStr(API_KEY),
+            "gateway_timeout_s": 5.0,
+        }
+        return GatewaySettings(**(values | overrides))
+
+    def gateway(self, *, limiter: RateLimiter | None = None, **overrides: Any) -> Gateway:
+        """The adapter of this flavour, built the way the commands build it."""
+        return build_gateway(self.settings(**overrides), limiter=limiter)
+
+    async def configure(self, **knobs: Any) -> None:
+        """Change the simulator's knobs (`GatewayConfig` fields) at once."""
+        async with httpx.AsyncClient(trust_env=False) as client:
+            response = await client.post(f"{self.url}/_sim/config", json=knobs)
+            response.raise_for_status()
+
+    async def charges(self) -> list[dict[str, Any]]:
+        """Every charge the simulator ever made, with its `idempotency_key`."""
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return list((await client.get(f"{self.url}/_sim/charges")).json()["data"])
+
+    async def made(self) -> Counter[str]:
+        """Charges that took money, per idempotency key (refunded since or not)."""
+        return Counter(
+            c["idempotency_key"] for c in await self.charges() if c["status"] == "succeeded"
+        )
+
+    async def stats(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return dict((await client.get(f"{self.url}/_sim/stats")).json())
+
+
+@contextmanager
+def provider(flavour: Flavour, **config: Any) -> Iterator[Provider]:
+    """A fresh simulator of `flavour` on a free loopback port."""
+    app = build_gateway_app(GatewayConfig(flavour=flavour, **({"seed": 1} | config)))
+    with ServedApp(app) as served:
+        yield Provider(flavour, served)
+
+
+class CountingLimiter(RateLimiter):
+    """A rate limiter that is off but counts the tokens spent: one per request."""
+
+    def __init__(self) -> None:
+        super().__init__(None, rate_per_s=0)
+        self.spent = 0
+
+    async def spend(self) -> None:
+        self.spent += 1
+        await super().spend()

@@ -1,0 +1,94 @@
+"""Stripe's webhook bodies as the receiver journals them, and re-fetched objects as the
+processor applies them: pure functions, no server."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import pytest
+
+from charge_worker.errors import MalformedDelivery
+from charge_worker.gateway import GatewayCharge
+from charge_worker.webhooks.inbox import Job
+from charge_worker.webhooks.processor import refetched
+from charge_worker.webhooks.receiver import STRIPE_REVISION, journal_entry
+
+META = {"order_id": "7", "billing_period": "2026-12-01"}
+
+
+def body(kind: str, obj: dict[str, Any]) -> bytes:
+    event = {"id": "evt_1", "object": "event", "type": kind, "created": 1, "data": {"object": obj}}
+    return json.dumps(event).encode()
+
+
+@pytest.mark.parametrize(
+    ("kind", "obj", "journaled_as"),
+    [
+        (
+            "payment_intent.succeeded",
+            {"id": "pi_1", "object": "payment_intent", "metadata": META},
+            "charge.succeeded",
+        ),
+        (
+            "payment_intent.payment_failed",
+            {"id": "pi_1", "object": "payment_intent", "metadata": META},
+            "charge.failed",
+        ),
+        (
+            "payment_intent.processing",
+            {"id": "pi_1", "object": "payment_intent", "metadata": META},
+            "charge.processing",
+        ),
+        (
+            "charge.refunded",
+            {"id": "ch_1", "object": "charge", "payment_intent": "pi_1", "metadata": META},
+            "charge.refunded",
+        ),
+        (
+            "charge.dispute.created",
+            {"id": "dp_1", "object": "dispute", "payment_intent": "pi_1"},
+            "charge.dispute_created",
+        ),
+    ],
+)
+def test_a_stripe_event_is_journaled_under_its_payment_intent(
+    kind: str, obj: dict[str, Any], journaled_as: str
+) -> None:
+    entry = journal_entry("gateway", "stripe", body(kind, obj), "")
+    assert entry is not None
+    assert (entry.event_id, entry.event_type, entry.object_id) == ("evt_1", journaled_as, "pi_1")
+    assert entry.revision == STRIPE_REVISION
+    if obj.get("metadata"):
+        assert (entry.order_id, entry.billing_period) == (7, dt.date(2026, 12, 1))
+
+
+def test_a_type_the_ledger_does_not_use_is_not_journaled() -> None:
+    assert journal_entry("gateway", "stripe", body("customer.created", {"id": "cus_1"}), "") is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{}",
+        body("charge.refunded", {"id": "ch_1", "object": "charge"}),  # names no intent
+        json.dumps({"id": "evt_1", "type": "x", "created": "soon", "data": {}}).encode(),
+    ],
+)
+def test_a_body_that_is_no_stripe_event_is_malformed(raw: bytes) -> None:
+    with pytest.raises(MalformedDelivery):
+        journal_entry("gateway", "stripe", raw, "")
+
+
+def test_a_refetched_object_replaces_the_events_state_and_names_the_key() -> None:
+    job = Job(1, "gateway", "evt_1", "charge.refunded", "pi_1", 1, None, None, "", 1, 0.0)
+    charge = GatewayCharge(
+        "pi_1", "succeeded", 990, "EUR", "cus_1", "7", "2026-12-01", 0, 990, refunded=True
+    )
+    first = refetched(job, charge)
+    later = refetched(job, charge)
+
+    assert (first.object_status, first.refunded, first.amount_refunded) == ("succeeded", True, 990)
+    assert first.key == (7, dt.date(2026, 12, 1))
+    assert later.revision >= first.revision > 1  # the moment of the fetch
