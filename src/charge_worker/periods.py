@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import calendar
 import datetime as dt
-from collections.abc import Iterator
 from typing import Literal
 
 Interval = Literal["month", "year"]
@@ -40,15 +39,16 @@ def next_period(anchor: dt.date, current: dt.date, interval: Interval, count: in
 
 def due_periods(
     anchor: dt.date, first: dt.date, interval: Interval, count: int, day: dt.date
-) -> Iterator[dt.date]:
+) -> tuple[list[dt.date], dt.date]:
     """`first` and every following period on or before `day`, oldest first (at most
-    `MAX_CATCH_UP`: a subscription decades behind is caught up over several runs)."""
+    `MAX_CATCH_UP`: a subscription decades behind is caught up over several runs), and the
+    period after the last of them: where the subscription moves on to."""
+    periods: list[dt.date] = []
     period = first
-    for _ in range(MAX_CATCH_UP):
-        if period > day:
-            return
-        yield period
+    while period <= day and len(periods) < MAX_CATCH_UP:
+        periods.append(period)
         period = next_period(anchor, period, interval, count)
+    return periods, period
 
 
 def on_schedule(anchor: dt.date, period: dt.date, interval: Interval, count: int) -> bool:

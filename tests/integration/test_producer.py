@@ -18,8 +18,8 @@ from nats.js.api import DiscardPolicy
 
 from charge_worker import events, streams
 from charge_worker.messages import parse
-from charge_worker.producer.publish import WINDOW
-from charge_worker.producer.schedule import produce, publish_scheduled, schedule
+from charge_worker.producer.publish import WINDOW, publish_scheduled
+from charge_worker.producer.schedule import produce, schedule
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import DbSettings, NatsSettings, Settings

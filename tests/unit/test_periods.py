@@ -57,15 +57,18 @@ def test_every_period_keeps_the_anchor_day_where_the_month_has_it(
         period = following
 
 
-def test_due_periods_from_the_first_through_the_day() -> None:
-    periods = list(due_periods(D(2027, 1, 31), D(2027, 1, 31), "month", 1, D(2027, 5, 30)))
+def test_due_periods_from_the_first_through_the_day_and_the_one_after() -> None:
+    periods, after = due_periods(D(2027, 1, 31), D(2027, 1, 31), "month", 1, D(2027, 5, 30))
     assert periods == [D(2027, 1, 31), D(2027, 2, 28), D(2027, 3, 31), D(2027, 4, 30)]
-    assert list(due_periods(D(2027, 1, 31), D(2027, 6, 30), "month", 1, D(2027, 5, 30))) == []
+    assert after == D(2027, 5, 31)
+    none = due_periods(D(2027, 1, 31), D(2027, 6, 30), "month", 1, D(2027, 5, 30))
+    assert none == ([], D(2027, 6, 30))
 
 
 def test_catch_up_is_bounded_per_run() -> None:
-    periods = list(due_periods(D(1800, 1, 1), D(1800, 1, 1), "month", 1, D(2027, 1, 1)))
+    periods, after = due_periods(D(1800, 1, 1), D(1800, 1, 1), "month", 1, D(2027, 1, 1))
     assert len(periods) == MAX_CATCH_UP
+    assert after == D(1900, 1, 1)  # the next run goes on from there
 
 
 def test_on_schedule_knows_the_schedule_s_periods_and_no_others() -> None:

@@ -7,9 +7,14 @@ leaves some behind, and this step is what makes that harmless. Each is published
 retried with backoff for up to `publish_retry_horizon_s`.
 
 Publishes go out `WINDOW` at a time (`publish_async`) and their acks are awaited together;
-the window's rows are then marked and their events written in one statement each. One at
-a time, a publish and three statements per row held a month's run to a few hundred
-charges a second.
+the window's rows are then marked, and their `published` events written, in one statement
+built in SQL. One at a time, a publish and three statements per row held a month's run to
+a few hundred charges a second.
+
+Two ways in: `publish_scheduled` reads what earlier runs left (rows scheduled by hand
+too), and `Publisher` takes what this run's `schedule` has just committed, batch after
+batch, on a connection of its own while the next batch is scheduled: the charges are
+already contract-checked and in hand, so they are neither read back nor checked again.
 """
 
 from __future__ import annotations
@@ -18,20 +23,23 @@ import asyncio
 import contextlib
 import datetime as dt
 import time
+from dataclasses import dataclass
 
 import asyncpg
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, StatusCode
 
-from charge_worker import events
+from charge_worker import tracing
 from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import NatsSettings
 
 ACTOR = "producer"
+DEFAULT_SUBJECT = "charges.due"
 BATCH = 5000  # rows per read
 WINDOW = 1000  # publishes awaiting their acks at once
 PUBLISH_TIMEOUT_S = 5.0
@@ -43,7 +51,8 @@ log = structlog.get_logger(__name__)
 # out; no row is read twice. A row written by hand may lack due_at: the contract's default.
 _UNPUBLISHED = """
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
-       coalesce(due_at, billing_period::timestamp AT TIME ZONE 'UTC') AS due_at, created_at
+       coalesce(due_at, billing_period::timestamp AT TIME ZONE 'UTC') AS due_at, created_at,
+       traceparent
   FROM charge_attempts
  WHERE status = 'scheduled' AND published_at IS NULL
    AND (created_at, billing_period, order_id) > ($1, $2, $3)
@@ -59,21 +68,41 @@ SELECT count(*) FROM charge_attempts
 
 # Not "still scheduled": a worker may claim the message before this runs, and the row should
 # still say when it was published, and where (reconcile reads it to tell a queued message
-# from a lost one). The first publish is never overwritten.
-_MARK_PUBLISHED = """
-UPDATE charge_attempts AS a SET published_at = now(), published_seq = p.seq
-  FROM unnest($1::bigint[], $2::date[], $3::bigint[]) AS p(order_id, billing_period, seq)
+# from a lost one). The first publish is never overwritten, nor a trace the row names.
+_MARKED = """
+UPDATE charge_attempts AS a
+   SET published_at = now(), published_seq = p.seq,
+       traceparent = coalesce(a.traceparent, p.traceparent)
+  FROM unnest($1::bigint[], $2::date[], $3::bigint[], $4::text[], $5::bool[])
+       AS p(order_id, billing_period, seq, traceparent, duplicate)
  WHERE a.order_id = p.order_id AND a.billing_period = p.billing_period
    AND a.published_at IS NULL
+RETURNING a.order_id, a.billing_period, p.seq, p.duplicate, a.traceparent
 """
 
-_PUBLISHED_EVENTS = """
+# The marked rows' `published` events, in the same statement.
+_MARK_PUBLISHED = (
+    "WITH marked AS (" + _MARKED + ")"
+    """
 INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-SELECT order_id, billing_period, 'published', $4, detail
-  FROM unnest($1::bigint[], $2::date[], $3::jsonb[]) AS e(order_id, billing_period, detail)
+SELECT order_id, billing_period, 'published', $6,
+       jsonb_strip_nulls(jsonb_build_object(
+           'stream_seq', seq,
+           'msg_id', 'charge:' || order_id || ':' || to_char(billing_period, 'YYYY-MM-DD'),
+           'duplicate', duplicate, 'trace_id', split_part(traceparent, '-', 2)))
+  FROM marked
 """
+)
 
 _FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), dt.date.min, 0)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A charge to publish, with the trace its row names (None: opened when published)."""
+
+    charge: ChargeDue
+    traceparent: str | None
 
 
 async def publish_scheduled(
@@ -85,41 +114,93 @@ async def publish_scheduled(
     batch_size: int = BATCH,
     progress: Progress | None = None,
 ) -> None:
-    """Publish every `scheduled` row not published yet, oldest first, counting into `summary`.
+    """Publish every `scheduled` row not published yet, oldest first, counting into
+    `summary` (`Publisher.publish_leftovers`)."""
+    await Publisher(conn, js, cfg, summary, progress).publish_leftovers(batch_size)
 
-    A publish that fails for the whole retry horizon ends the step after its window: the
-    broker stores nothing, and each further row would wait as long. The window's failures
-    are counted as `failed`, the rows after it as `abandoned`; all stay `scheduled` for
-    the next run.
+
+class Publisher:
+    """Publishes batches of charges a window at a time, marking the acked rows on `conn`.
+
+    After a window whose publishes failed for the whole retry horizon it publishes nothing
+    more: the failures are counted as `failed`, every charge handed to it afterwards as
+    `abandoned` (all stay `scheduled` for the next run).
     """
-    ticker = Ticker("charges published", progress)
-    cursor: tuple[dt.datetime, dt.date, int] = _FIRST
-    while rows := await conn.fetch(_UNPUBLISHED, *cursor, batch_size):
-        for start in range(0, len(rows), WINDOW):
-            window = rows[start : start + WINDOW]
-            acked, failed = await _publish_window(conn, js, cfg, window)
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        js: JetStreamContext,
+        cfg: NatsSettings,
+        summary: Summary,
+        progress: Progress | None = None,
+    ) -> None:
+        self.conn = conn
+        self.js = js
+        self.cfg = cfg
+        self.summary = summary
+        self.ticker = Ticker("charges published", progress)
+        self.broken = False
+
+    async def publish_leftovers(self, batch_size: int = BATCH) -> None:
+        """Publish every `scheduled` row not published yet, oldest first: what earlier runs
+        left, and rows written by hand (checked against the contract here).
+
+        A publish that fails for the whole retry horizon ends the step after its window: the
+        broker stores nothing, and each further row would wait as long. The rows after it
+        are counted as `abandoned`."""
+        cursor: tuple[dt.datetime, dt.date, int] = _FIRST
+        while rows := await self.conn.fetch(_UNPUBLISHED, *cursor, batch_size):
+            outgoing = [
+                Outgoing(ChargeDue.model_validate({"schema": SCHEMA, **dict(r)}), r["traceparent"])
+                for r in rows
+            ]
+            last = rows[-1]
+            cursor = (last["created_at"], last["billing_period"], last["order_id"])
+            if not await self.publish(outgoing):
+                self.summary.abandoned += await self.conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
+                return
+
+    async def publish(self, outgoing: list[Outgoing]) -> bool:
+        """Publish the batch; False when the broker failed (now or before)."""
+        for start in range(0, len(outgoing), WINDOW):
+            window = outgoing[start : start + WINDOW]
+            if self.broken:
+                self.summary.abandoned += len(window)
+                continue
+            acked, failed = await _publish_window(self.conn, self.js, self.cfg, window)
             for ack in acked:
                 if ack.duplicate:
-                    summary.deduplicated += 1
+                    self.summary.deduplicated += 1
                 else:
-                    summary.published += 1
-                ticker.tick()
-            last = window[-1]
-            cursor = (last["created_at"], last["billing_period"], last["order_id"])
+                    self.summary.published += 1
+            self.ticker.tick(len(acked))
             if failed:
-                summary.failed += failed
-                summary.abandoned = await conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
-                return
+                self.summary.failed += failed
+                self.broken = True
+        return not self.broken
 
 
 async def _publish_window(
-    conn: asyncpg.Connection, js: JetStreamContext, cfg: NatsSettings, rows: list[asyncpg.Record]
+    conn: asyncpg.Connection, js: JetStreamContext, cfg: NatsSettings, outgoing: list[Outgoing]
 ) -> tuple[list[PubAck], list[Problem]]:
-    """Publish the rows together and mark the acked ones: their acks, and what could not
-    be stored. Any other error is raised once the acked rows are marked."""
-    charges = [ChargeDue.model_validate({"schema": SCHEMA, **dict(r)}) for r in rows]
-    answers = await _publish_all(js, cfg, charges)
-    acked = [(c, a) for c, a in zip(charges, answers, strict=True) if isinstance(a, PubAck)]
+    """Publish the charges together and mark the acked ones: their acks, and what could not
+    be stored. Any other error is raised once the acked rows are marked.
+
+    Each message carries its row's `traceparent`; a row scheduled with tracing off gets
+    its trace opened now, with tracing on. Each publish is a `send` span in that trace."""
+    charges = [o.charge for o in outgoing]
+    traces = [o.traceparent or _open_now(o.charge, cfg.subject) for o in outgoing]
+    sends = [_sending(c, trace, cfg.subject) for c, trace in zip(charges, traces, strict=True)]
+    headers = [_headers(c, trace) for c, trace in zip(charges, traces, strict=True)]
+    answers = await _publish_all(js, cfg, charges, headers)
+    for span, answer in zip(sends, answers, strict=True):
+        _sent(span, answer)
+    acked = [
+        (c, a, trace)
+        for c, a, trace in zip(charges, answers, traces, strict=True)
+        if isinstance(a, PubAck)
+    ]
     await _mark_published(conn, acked)
     failed = []
     for charge, answer in zip(charges, answers, strict=True):
@@ -127,33 +208,33 @@ async def _publish_window(
             failed.append(Problem(charge.subscription_id, charge.key, str(answer)))
         elif isinstance(answer, BaseException):
             raise answer
-    return [ack for _, ack in acked], failed
+    return [ack for _, ack, _ in acked], failed
 
 
 async def _publish_all(
-    js: JetStreamContext, cfg: NatsSettings, charges: list[ChargeDue]
+    js: JetStreamContext,
+    cfg: NatsSettings,
+    charges: list[ChargeDue],
+    headers: list[dict[str, str]],
 ) -> list[PubAck | BaseException]:
     """Each charge's ack, or why it has none. All go out at once with their acks awaited
     together (`publish_async`: no request and timer per message); the few that get no ack
     in time are retried one by one, up to the retry horizon."""
     futures: list[asyncio.Future[PubAck]] = []
     with contextlib.suppress(nats.errors.Error, TimeoutError):  # the rest go the slow way
-        for charge in charges:
+        for charge, sent in zip(charges, headers, strict=True):
             futures.append(
                 await js.publish_async(
-                    cfg.subject,
-                    charge.to_json(),
-                    stream=cfg.stream,
-                    headers={"Nats-Msg-Id": charge.msg_id},
+                    cfg.subject, charge.to_json(), stream=cfg.stream, headers=sent
                 )
             )
     if futures:
         await asyncio.wait(futures, timeout=PUBLISH_TIMEOUT_S)
     acked: list[PubAck | None] = [_ack_of(future) for future in futures]
     acked += [None] * (len(charges) - len(acked))
-    retried = [c for c, ack in zip(charges, acked, strict=True) if ack is None]
+    retried = [(c, h) for c, h, ack in zip(charges, headers, acked, strict=True) if ack is None]
     again = iter(
-        await asyncio.gather(*(_publish(js, cfg, c) for c in retried), return_exceptions=True)
+        await asyncio.gather(*(_publish(js, cfg, c, h) for c, h in retried), return_exceptions=True)
     )
     return [ack if ack is not None else next(again) for ack in acked]
 
@@ -168,24 +249,31 @@ def _ack_of(future: asyncio.Future[PubAck]) -> PubAck | None:
     return future.result()
 
 
-async def _mark_published(conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck]]) -> None:
-    """Set `published_at` on the acked rows and write their `published` events."""
+async def _mark_published(
+    conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck, str | None]]
+) -> None:
+    """Set `published_at` (and the trace, if the row names none) on the acked rows and write
+    their `published` events. The events are the story, not the state: when they cannot be
+    written (a missing partition), the rows are marked without them."""
     if not acked:
         return
-    order_ids = [c.order_id for c, _ in acked]
-    periods = [c.billing_period for c, _ in acked]
-    await conn.execute(_MARK_PUBLISHED, order_ids, periods, [a.seq for _, a in acked])
-    details = [
-        events.to_json({"stream_seq": a.seq, "msg_id": c.msg_id, "duplicate": bool(a.duplicate)})
-        for c, a in acked
-    ]
+    columns = (
+        [c.order_id for c, _, _ in acked],
+        [c.billing_period for c, _, _ in acked],
+        [a.seq for _, a, _ in acked],
+        [t for *_, t in acked],
+        [bool(a.duplicate) for _, a, _ in acked],
+    )
     try:
-        await conn.execute(_PUBLISHED_EVENTS, order_ids, periods, details, ACTOR)
-    except asyncpg.PostgresError as error:  # the events describe; they never decide
+        await conn.execute(_MARK_PUBLISHED, *columns, ACTOR)
+    except asyncpg.PostgresError as error:
         log.warning("events.write_failed", kind="published", rows=len(acked), error=repr(error))
+        await conn.execute(_MARKED, *columns)
 
 
-async def _publish(js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue) -> PubAck:
+async def _publish(
+    js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue, headers: dict[str, str]
+) -> PubAck:
     """Publish and wait for the ack; retry timeouts and refusals up to the retry horizon.
 
     Every try carries the same Nats-Msg-Id, and the duplicate window is at least the
@@ -200,7 +288,7 @@ async def _publish(js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue) -
                 charge.to_json(),
                 timeout=PUBLISH_TIMEOUT_S,
                 stream=cfg.stream,
-                headers={"Nats-Msg-Id": charge.msg_id},
+                headers=headers,
             )
         except nats.errors.ConnectionClosedError as error:
             # a command's connection is not re-established: no further try could succeed
@@ -214,3 +302,53 @@ async def _publish(js: JetStreamContext, cfg: NatsSettings, charge: ChargeDue) -
                 ) from error
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, MAX_RETRY_S)
+
+
+def opened(charge: ChargeDue, subject: str) -> Span:
+    """The span that opens a due charge's trace: the `create` span of its message (the
+    semantic conventions' creation context, which every copy of the message carries). The
+    caller ends it. Off: a span that is nothing."""
+    if not tracing.enabled():
+        return INVALID_SPAN
+    attributes = tracing.messaging("create", subject, charge.msg_id) | _charge_attributes(charge)
+    return tracing.start(f"create {subject}", attributes=attributes, kind=SpanKind.PRODUCER)
+
+
+def _open_now(charge: ChargeDue, subject: str) -> str | None:
+    span = opened(charge, subject)
+    span.end()
+    return tracing.traceparent_of(span)
+
+
+def _sending(charge: ChargeDue, trace: str | None, subject: str) -> Span:
+    if not tracing.enabled():
+        return INVALID_SPAN
+    attributes = tracing.messaging("send", subject, charge.msg_id) | _charge_attributes(charge)
+    return tracing.start(f"send {subject}", trace, attributes, kind=SpanKind.CLIENT)
+
+
+def _sent(span: Span, answer: PubAck | BaseException) -> None:
+    if isinstance(answer, PubAck):
+        span.set_attributes(
+            {
+                "charge_worker.stream_seq": answer.seq,
+                "charge_worker.duplicate": bool(answer.duplicate),
+            }
+        )
+    else:
+        span.set_status(StatusCode.ERROR, str(answer) or type(answer).__name__)
+    span.end()
+
+
+def _charge_attributes(charge: ChargeDue) -> dict[str, str | int]:
+    return {
+        "charge_worker.order_id": charge.order_id,
+        "charge_worker.billing_period": charge.billing_period.isoformat(),
+    }
+
+
+def _headers(charge: ChargeDue, trace: str | None) -> dict[str, str]:
+    headers = {"Nats-Msg-Id": charge.msg_id}
+    if trace:
+        headers["traceparent"] = trace
+    return headers

@@ -7,7 +7,9 @@ and publish nothing twice that matters:
    SKIP LOCKED`, so a concurrent run takes others), record one `scheduled` row per due
    period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` past the day (periods
    follow the subscription's anchor and interval: `charge_worker.periods`). A few
-   statements per batch of thousands, whatever its size.
+   statements per batch of thousands, whatever its size. With tracing on, each charge
+   recorded opens its trace (`tracing`): the row keeps its `traceparent`, and every copy
+   of its message carries it.
    A subscription that breaks contracts/charge-due.md, or whose key is recorded with
    another amount, currency or customer, is reported and left where it is.
 2. **publish** (`publish.py`): every `scheduled` row not published yet, this run's or
@@ -20,6 +22,7 @@ Driver errors become `DependencyUnavailable` (database.translated), keeping `__c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 from dataclasses import dataclass
@@ -29,11 +32,19 @@ import click
 import structlog
 from pydantic import ValidationError
 
-from charge_worker import database, privileges, streams
+from charge_worker import database, privileges, streams, tracing
 from charge_worker.database import translated
+from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
-from charge_worker.periods import due_periods, next_period
-from charge_worker.producer.publish import ACTOR, BATCH, publish_scheduled
+from charge_worker.periods import due_periods
+from charge_worker.producer.publish import (
+    ACTOR,
+    BATCH,
+    DEFAULT_SUBJECT,
+    Outgoing,
+    Publisher,
+    opened,
+)
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import Settings
 
@@ -56,21 +67,24 @@ SELECT order_id, billing_period, status, fingerprint FROM charge_attempts
  WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
 """
 
-# One statement for the whole batch; the `scheduled` events go with the rows.
+# One statement for the whole batch; the `scheduled` events go with the rows, naming the
+# charge's trace when there is one.
 _SCHEDULE = """
 WITH inserted AS (
     INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
-                                 customer_id, amount_minor, currency, due_at, status)
+                                 customer_id, amount_minor, currency, due_at, traceparent,
+                                 status)
     SELECT *, 'scheduled'
       FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[], $6::bigint[],
-                  $7::text[], $8::timestamptz[])
+                  $7::text[], $8::timestamptz[], $9::text[])
     ON CONFLICT DO NOTHING
-    RETURNING order_id, billing_period, subscription_id, amount_minor, currency
+    RETURNING order_id, billing_period, subscription_id, amount_minor, currency, traceparent
 ), story AS (
     INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-    SELECT order_id, billing_period, 'scheduled', $9,
-           jsonb_build_object('subscription_id', subscription_id, 'amount_minor', amount_minor,
-                              'currency', currency)
+    SELECT order_id, billing_period, 'scheduled', $10,
+           jsonb_strip_nulls(jsonb_build_object(
+               'subscription_id', subscription_id, 'amount_minor', amount_minor,
+               'currency', currency, 'trace_id', split_part(traceparent, '-', 2)))
       FROM inserted
 )
 SELECT order_id, billing_period FROM inserted
@@ -128,29 +142,38 @@ async def produce(
     batch_size: int | None = None,
     progress: Progress | None = None,
 ) -> Summary:
-    """Schedule what is due on or before `day`, then publish every unpublished `scheduled` row.
+    """Publish what earlier runs left unpublished, then schedule what is due on or before
+    `day`, each batch published as soon as it is committed while the next is scheduled.
 
-    Scheduling needs only PostgreSQL: with NATS down, the run fails after it, and the next
-    run publishes what this one scheduled.
+    Scheduling needs only PostgreSQL: with NATS down, the run schedules everything, then
+    fails, and the next run publishes what this one scheduled.
     """
     summary = Summary(day)
+    batch = batch_size or SCHEDULE_BATCH
     async with translated("produce"), contextlib.AsyncExitStack() as stack:
-        # one connection: both steps run one statement at a time, never two at once
-        conn = await database.connect(settings.db, application_name="charge-worker produce")
-        stack.push_async_callback(database.close_quietly, conn)
+        conn = await _connect(settings, stack)
         await privileges.require(conn, privileges.PRODUCE)
-        await schedule(
-            conn, day, summary, batch_size=batch_size or SCHEDULE_BATCH, progress=progress
-        )
-        nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
+        try:
+            nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
+        except DependencyUnavailable:
+            await schedule(conn, day, summary, batch_size=batch, progress=progress)
+            raise
         stack.push_async_callback(nc.close)
         js = nc.jetstream()
         for drift in (await streams.provision(js, settings.nats)).drift:
             log.warning("streams.drift", detail=str(drift))
-        await publish_scheduled(
-            conn, js, settings.nats, summary, batch_size=batch_size or BATCH, progress=progress
-        )
+        # the publisher marks on a connection of its own: one statement at a time on each
+        marks = await _connect(settings, stack)
+        publisher = Publisher(marks, js, settings.nats, summary, progress)
+        await publisher.publish_leftovers(batch_size or BATCH)
+        await schedule(conn, day, summary, batch_size=batch, progress=progress, publisher=publisher)
     return summary
+
+
+async def _connect(settings: Settings, stack: contextlib.AsyncExitStack) -> asyncpg.Connection:
+    conn = await database.connect(settings.db, application_name="charge-worker produce")
+    stack.push_async_callback(database.close_quietly, conn)
+    return conn
 
 
 async def schedule(
@@ -160,40 +183,56 @@ async def schedule(
     *,
     batch_size: int = SCHEDULE_BATCH,
     progress: Progress | None = None,
+    publisher: Publisher | None = None,
 ) -> None:
     """Step 1: record every charge due on or before `day` as `scheduled`, a batch of
-    subscriptions per transaction, four statements per batch whatever its size."""
+    subscriptions per transaction, four statements per batch whatever its size, and hand
+    each committed batch's new charges to `publisher`. With tracing on, each charge
+    recorded opens its trace (`create <subject>`), kept in its row."""
     ticker = Ticker("due subscriptions examined", progress)
+    subject = publisher.cfg.subject if publisher else DEFAULT_SUBJECT
+    publishing: asyncio.Task[bool] | None = None  # the previous batch's, while this one runs
     after = ""
-    while True:
-        async with conn.transaction():
-            rows = await conn.fetch(_DUE, day, after, batch_size)
-            await _schedule_batch(conn, [_plan(row, day, summary) for row in rows], summary)
-        summary.due += len(rows)
-        ticker.tick(len(rows))
-        if len(rows) < batch_size:
-            return
-        after = rows[-1]["subscription_id"]
+    try:
+        while True:
+            async with conn.transaction():
+                rows = await conn.fetch(_DUE, day, after, batch_size)
+                plans = [_plan(row, day, summary) for row in rows]
+                recorded = await _schedule_batch(conn, plans, summary, subject)
+            summary.due += len(rows)
+            ticker.tick(len(rows))
+            if publishing is not None:
+                await publishing
+                publishing = None
+            if publisher is not None and recorded:
+                publishing = asyncio.create_task(publisher.publish(recorded))
+            if len(rows) < batch_size:
+                break
+            after = rows[-1]["subscription_id"]
+    finally:
+        if publishing is not None:
+            await publishing
 
 
 def _plan(row: asyncpg.Record, day: dt.date, summary: Summary) -> _Plan:
     """The subscription's due periods as contract-checked charges; none, and no advance,
     when it breaks the contract (reported)."""
     read: dt.date = row["next_billing_date"]
-    schedule = (row["anchor"], row["billing_interval"], row["billing_interval_count"])
-    periods = list(due_periods(schedule[0], read, schedule[1], schedule[2], day))
+    anchor, interval, count = row["anchor"], row["billing_interval"], row["billing_interval_count"]
+    periods, after_last = due_periods(anchor, read, interval, count, day)
     try:
         charges = [_charge(row, period) for period in periods]
     except ValidationError as error:
         summary.invalid.append(Problem(row["subscription_id"], None, _reason(error)))
         return _Plan(row["subscription_id"], read, [], read)
-    after_last = next_period(schedule[0], periods[-1], schedule[1], schedule[2])
     return _Plan(row["subscription_id"], read, charges, after_last)
 
 
-async def _schedule_batch(conn: asyncpg.Connection, plans: list[_Plan], summary: Summary) -> None:
+async def _schedule_batch(
+    conn: asyncpg.Connection, plans: list[_Plan], summary: Summary, subject: str
+) -> list[Outgoing]:
     """Insert the batch's new charges; count the recorded ones; stop each subscription at
-    its first conflict; advance each past what it has recorded."""
+    its first conflict; advance each past what it has recorded. The charges inserted."""
     existing = await _existing(conn, [c for plan in plans for c in plan.charges])
     fresh: list[tuple[_Plan, ChargeDue]] = []
     for plan in plans:
@@ -204,10 +243,11 @@ async def _schedule_batch(conn: asyncpg.Connection, plans: list[_Plan], summary:
             elif not _recorded(charge, found, summary):
                 break
             plan.accepted += 1
-    inserted = await _insert(conn, [charge for _, charge in fresh])
+    inserted = await _insert(conn, [charge for _, charge in fresh], subject)
     summary.scheduled += len(inserted)
+    keys = {_key(o.charge) for o in inserted}
     # a worker may have recorded a charge meanwhile (its message was published by others)
-    raced = [(plan, c) for plan, c in fresh if _key(c) not in inserted]
+    raced = [(plan, c) for plan, c in fresh if _key(c) not in keys]
     again = await _existing(conn, [charge for _, charge in raced])
     for plan, charge in raced:
         if not _recorded(charge, again.get(_key(charge)), summary):
@@ -219,6 +259,7 @@ async def _schedule_batch(conn: asyncpg.Connection, plans: list[_Plan], summary:
         [plan.read_date for plan in moved],
         [plan.next_date for plan in moved],
     )
+    return inserted
 
 
 def _key(charge: ChargeDue) -> Key:
@@ -252,10 +293,15 @@ def _recorded(charge: ChargeDue, found: asyncpg.Record | None, summary: Summary)
     return True
 
 
-async def _insert(conn: asyncpg.Connection, charges: list[ChargeDue]) -> set[Key]:
-    """Record the charges as `scheduled`, with their events; the keys actually inserted."""
+async def _insert(
+    conn: asyncpg.Connection, charges: list[ChargeDue], subject: str
+) -> list[Outgoing]:
+    """Record the charges as `scheduled`, with their events and the traces they open; the
+    charges actually inserted, with their traces."""
     if not charges:
-        return set()
+        return []
+    created = [opened(charge, subject) for charge in charges]
+    traces = [tracing.traceparent_of(span) for span in created]
     rows = await conn.fetch(
         _SCHEDULE,
         [c.order_id for c in charges],
@@ -266,9 +312,16 @@ async def _insert(conn: asyncpg.Connection, charges: list[ChargeDue]) -> set[Key
         [c.amount_minor for c in charges],
         [c.currency for c in charges],
         [c.due_at for c in charges],
+        traces,
         ACTOR,
     )
-    return {(row["order_id"], row["billing_period"]) for row in rows}
+    keys = {(row["order_id"], row["billing_period"]) for row in rows}
+    inserted = []
+    for charge, span, trace in zip(charges, created, traces, strict=True):
+        if _key(charge) in keys:  # a key another run recorded first keeps its own trace
+            span.end()
+            inserted.append(Outgoing(charge, trace))
+    return inserted
 
 
 def _charge(row: asyncpg.Record, period: dt.date) -> ChargeDue:
