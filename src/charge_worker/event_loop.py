@@ -26,6 +26,16 @@ except ImportError:  # Windows: asyncio's own loop runs the same code
     LOOP_FACTORY = None
 
 
+def raise_if_cancelled() -> None:
+    """Raise `CancelledError` when this task has been asked to stop. A loop that suppresses
+    its clients' errors calls it on every turn: a client may have turned the cancellation
+    into an error of its own (asyncio.wait_for on Python 3.11 can lose it), and the loop
+    would then go on for ever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run`, on uvloop when it is installed."""
     with asyncio.Runner(loop_factory=LOOP_FACTORY) as runner:

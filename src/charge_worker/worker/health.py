@@ -26,6 +26,7 @@ import structlog
 from nats.aio.client import Client
 
 from charge_worker import privileges
+from charge_worker.event_loop import raise_if_cancelled
 from charge_worker.http import WEDGED_AFTER_S
 from charge_worker.settings import NatsSettings
 from charge_worker.worker.metrics import Metrics
@@ -128,5 +129,6 @@ async def report_consumer_stats(
             metrics.consumer["max_ack_pending"].set(info.config.max_ack_pending or 0)
             dlq = await js.stream_info(cfg.dlq_stream)
             metrics.dlq_messages.set(dlq.state.messages)
+        raise_if_cancelled()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)

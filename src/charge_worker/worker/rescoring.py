@@ -15,6 +15,7 @@ from typing import Literal
 import structlog
 
 from charge_worker.errors import ChargeWorkerError
+from charge_worker.event_loop import raise_if_cancelled
 from charge_worker.ledger import DeferredChecks
 from charge_worker.scoring import ScoringClient, ScoringFailure
 from charge_worker.worker.metrics import Metrics
@@ -39,6 +40,7 @@ async def rescore_deferred(
             metrics.deferred_checks_pending.set(await checks.pending())
         except ChargeWorkerError as error:
             log.warning("checks.round_failed", error=str(error))
+        raise_if_cancelled()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
 
