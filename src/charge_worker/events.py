@@ -6,10 +6,12 @@ Kinds, and who writes them:
 |----------------|------------|---------------------------------------------------------------|
 | `scheduled`    | producer   | subscription, amount, currency                                |
 | `published`    | producer   | stream seq, msg id, duplicate                                 |
-| `gateway_call` | worker     | attempt, call number (written with the call's ledger update)  |
+| `gateway_call` | worker     | attempt, call number: one written before each call by earlier |
+|                |            | versions (`explain` still tells them); `delivery` says it now |
 | `delivery`     | worker     | stream seq, delivery, attempt, taken over from, scoring,       |
 |                |            | lookup, gateway answer, outcome, action, delay, error         |
-|                |            | (one settled by an answer or a block: with the settle itself) |
+|                |            | (with the delivery's ledger write itself, which also counts   |
+|                |            | the call and keeps the verdict)                               |
 | `republished`  | reconcile  | why, stream seq                                               |
 | `resolved`     | reconcile  | what a lookup found for an unknown outcome; or a charge the   |
 |                |            | gateway made for a row the ledger had as declined, failed or  |
@@ -22,7 +24,7 @@ Kinds, and who writes them:
 
 Writing an event never decides anything: a failure to write one is logged and ignored. The
 exceptions are the events written by the very statement they describe (`scheduled`,
-`gateway_call`, and `delivery` when it settles the charge): they stand or fall with it.
+`published`, and `delivery` with the delivery's ledger write): they stand or fall with it.
 """
 
 from __future__ import annotations

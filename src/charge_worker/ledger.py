@@ -5,12 +5,22 @@ The ledger is the lock. A claim is one atomic statement: insert the row, or take
 Every later write names the attempt it belongs to (`WHERE lease_owner = $me AND attempt =
 $n`), so a worker whose lease was taken over can never write. No transaction stays open
 across a network call. asyncpg errors become `DependencyUnavailable` here.
+
+No write precedes a gateway call while the lease holds. The worker dates its lease on its
+own clock too, and starts a call only while the lease outlives it (`Claim.outlives`), else
+renews it first (`extend`, fenced): nobody can take the charge over until that call is
+over. The call is counted by the write that records what it came to (`Attempted`); a
+worker that dies mid-call writes nothing, so a claim that takes over an expired lease
+treats the outcome as unknown and looks the key up first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +30,7 @@ from charge_worker import events
 from charge_worker.database import translated
 from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict
 from charge_worker.messages import ChargeDue
+from charge_worker.settings import LEASE_MARGIN_S
 
 Scoring = Literal["approved", "blocked", "deferred"]
 # what a delivery may settle a charge as; `processing` is no final state: the provider
@@ -67,71 +78,67 @@ _FENCE = (
     "AND lease_owner = $3 AND attempt = $4"
 )
 
-_BEGIN_CALL = f"""
-WITH updated AS (
-    UPDATE charge_attempts
-       SET gateway_calls = gateway_calls + 1, scoring = coalesce($5, scoring),
-           lease_until = now() + make_interval(secs => $6), updated_at = now()
-     WHERE {_FENCE}
-    RETURNING order_id, billing_period, gateway_calls
-), deferred AS (
-    INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
-    SELECT order_id, billing_period, $7 FROM updated WHERE $7::text IS NOT NULL
-    ON CONFLICT DO NOTHING
-), story AS (
-    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-    SELECT order_id, billing_period, 'gateway_call', $3,
-           jsonb_build_object('attempt', $4::int, 'call', gateway_calls, 'scoring', $5::text)
-      FROM updated
-)
-SELECT count(*) FROM updated
+
+# the slow path only: a delivery whose lease no longer outlives a call renews it first
+_EXTEND = f"""
+UPDATE charge_attempts SET lease_until = now() + make_interval(secs => $5), updated_at = now()
+ WHERE {_FENCE}
 """
 
 
-def _with_story(update: str, story: str) -> str:
-    """A fenced UPDATE (without RETURNING) that also appends this delivery's event, given as
-    the jsonb parameter `story`, when it changed the row; returns the rows it changed. One
-    round trip, and a fenced-out worker writes neither."""
+def _fenced_write(update: str) -> str:
+    """A fenced UPDATE (without RETURNING) that also records the delivery in the same
+    statement: its event (the jsonb `$5`, when given) and the deferred scoring check its
+    charge was made under (the reason `$8`, when given); returns the rows it changed. One
+    round trip, and a fenced-out worker writes none of it.
+
+    Parameters: `$1`-`$4` the fence, `$5` the event, `$6` the gateway calls this attempt
+    made or inherited unrecorded, `$7` the verdict to keep, `$8` the deferred check's reason,
+    then the statement's own."""
     return f"""
 WITH updated AS ({update} RETURNING order_id, billing_period),
+deferred AS (
+    INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
+    SELECT order_id, billing_period, $8 FROM updated WHERE $8::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+),
 story AS (
     INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-    SELECT order_id, billing_period, 'delivery', $3, {story}::jsonb
-      FROM updated WHERE {story}::jsonb IS NOT NULL
+    SELECT order_id, billing_period, 'delivery', $3, $5::jsonb
+      FROM updated WHERE $5::jsonb IS NOT NULL
 )
 SELECT count(*) FROM updated
 """
 
 
-_SETTLE = _with_story(
+# what every write of an attempt keeps: the calls it made, the verdict it charged under
+_KEPT = "gateway_calls = gateway_calls + $6, scoring = coalesce($7, scoring), updated_at = now()"
+
+_SETTLE = _fenced_write(
     f"""UPDATE charge_attempts
-       SET status = $5, gateway_charge_id = coalesce($6, gateway_charge_id), last_error = $7,
-           scoring = coalesce($8, scoring), lease_owner = NULL, lease_until = NULL,
-           decline_code = $10,
-           settled_at = CASE WHEN $5 = 'processing' THEN NULL ELSE now() END,
-           updated_at = now()
-     WHERE {_FENCE}""",
-    "$9",
+       SET status = $9, gateway_charge_id = coalesce($10, gateway_charge_id), last_error = $11,
+           decline_code = $12, lease_owner = NULL, lease_until = NULL,
+           settled_at = CASE WHEN $9 = 'processing' THEN NULL ELSE now() END, {_KEPT}
+     WHERE {_FENCE}"""
 )
 
-_RETRY_LATER = _with_story(
+_RETRY_LATER = _fenced_write(
     f"""UPDATE charge_attempts
-       SET last_error = $5, updated_at = now(),
-           lease_owner = CASE WHEN $6 THEN lease_owner END,
-           lease_until = CASE WHEN $6 THEN lease_until END
-     WHERE {_FENCE}""",
-    "$7",
+       SET last_error = $9, lease_owner = CASE WHEN $10 THEN lease_owner END,
+           lease_until = CASE WHEN $10 THEN lease_until END, {_KEPT}
+     WHERE {_FENCE}"""
 )
 
 # The attempt alone fences here: the lease may have been released by this same attempt.
-_GIVE_UP = _with_story(
-    """UPDATE charge_attempts
-       SET status = CASE WHEN gateway_calls = 0 THEN 'failed' ELSE status END,
-           last_error = $5, lease_owner = NULL, lease_until = NULL, updated_at = now(),
-           settled_at = CASE WHEN gateway_calls = 0 THEN now() END
+# `failed` only when no call was ever made (counting this attempt's): else reconcile's
+# lookup decides.
+_GIVE_UP = _fenced_write(
+    f"""UPDATE charge_attempts
+       SET status = CASE WHEN gateway_calls + $6 = 0 THEN 'failed' ELSE status END,
+           settled_at = CASE WHEN gateway_calls + $6 = 0 THEN now() END,
+           last_error = $9, lease_owner = NULL, lease_until = NULL, {_KEPT}
      WHERE order_id = $1 AND billing_period = $2 AND status = 'pending'
-       AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4""",
-    "$6",
+       AND (lease_owner = $3 OR lease_owner IS NULL) AND attempt = $4"""
 )
 
 
@@ -148,8 +155,24 @@ class Settlement:
     status: FinalStatus
     charge_id: str | None = None
     error: str | None = None
-    scoring: Scoring | None = None
     decline_code: str | None = None  # of a decline, as the provider said
+
+
+@dataclass(frozen=True)
+class Attempted:
+    """What an attempt did that its write keeps, whatever the write.
+
+    `calls`: gateway calls that may have charged, this attempt's and its predecessor's that
+    no write recorded (a worker that died mid-call): any makes the next claim look up
+    first. `scoring`: the verdict the charge was made (or blocked) under; `deferred_reason`
+    with `deferred`, so the post-hoc check exists exactly when the verdict says so."""
+
+    calls: int = 0
+    scoring: Scoring | None = None
+    deferred_reason: str | None = None
+
+
+NOTHING_ATTEMPTED = Attempted()
 
 
 @dataclass(frozen=True)
@@ -163,19 +186,34 @@ class Claim:
     gateway_calls: int
     scoring: Scoring | None
     taken_from: str | None = None  # the owner of the expired lease this claim took over
+    lease_deadline: float = math.inf  # `Ledger.clock` time by which the lease has expired
 
     @property
     def outcome_unknown(self) -> bool:
-        """An earlier gateway call has no recorded outcome: look up before sending again."""
-        return self.gateway_calls > 0
+        """A gateway call may have been made with no outcome recorded: an earlier one is
+        counted, or the lease taken over was a worker's that may have died mid-call (no
+        write counts a call before it is made). Look up before sending again."""
+        return self.gateway_calls > 0 or self.taken_from is not None
+
+    def outlives(self, now: float, call_s: float) -> bool:
+        """The lease still holds for a call of `call_s` starting at `now` (and a margin):
+        no other worker can take the charge over before that call is over."""
+        return now + call_s + LEASE_MARGIN_S <= self.lease_deadline
 
 
 class Ledger:
-    """The charge ledger on one asyncpg pool."""
+    """The charge ledger on one asyncpg pool.
 
-    def __init__(self, pool: asyncpg.Pool, *, lease_s: float) -> None:
+    `clock` (monotonic seconds) dates each claim's lease on this side: read before the claim
+    is sent, it runs out no later than the `lease_until` PostgreSQL sets, so a worker that
+    asks `Claim.outlives` before a call needs no write to know its lease still holds."""
+
+    def __init__(
+        self, pool: asyncpg.Pool, *, lease_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.pool = pool
         self.lease_s = lease_s
+        self.clock = clock
 
     async def claim(
         self, charge: ChargeDue, owner: str, stream_seq: int, *, revive_failed: bool = False
@@ -191,6 +229,7 @@ class Ledger:
         amount/currency/customer), `LeaseHeld` (a live worker owns it).
         """
         key = (charge.order_id, charge.billing_period)
+        deadline = self.clock() + self.lease_s
         async with translated(), self.pool.acquire() as conn:
             row = await conn.fetchrow(
                 _CLAIM,
@@ -207,7 +246,15 @@ class Ledger:
                 revive_failed,
             )
             if row is not None:
-                return Claim(*key, owner, *row.values())
+                return Claim(
+                    *key,
+                    owner,
+                    row["attempt"],
+                    row["gateway_calls"],
+                    row["scoring"],
+                    row["taken_from"],
+                    deadline,
+                )
             why = await conn.fetchrow(_WHY_NOT, *key)
         if why is None:  # deleted between the two statements; let the redelivery retry
             raise LeaseHeld("the row vanished during the claim", retry_after_s=0)
@@ -221,27 +268,39 @@ class Ledger:
         left = float(why["lease_left_s"] or 0.0)
         raise LeaseHeld(f"{charge.key} is leased by another worker", retry_after_s=max(left, 0.0))
 
-    async def begin_gateway_call(
-        self, claim: Claim, *, scoring: Scoring | None, deferred_reason: str | None
-    ) -> None:
-        """Count the call about to be made, renew the lease, record a deferred check."""
-        await self._fenced(_BEGIN_CALL, claim, scoring, self.lease_s, deferred_reason)
+    async def extend(self, claim: Claim) -> Claim:
+        """Renew the lease for another `lease_s`: the claim with its new deadline.
+
+        `LeaseHeld` if this worker no longer owns the charge."""
+        deadline = self.clock() + self.lease_s
+        fence = (claim.order_id, claim.billing_period, claim.owner, claim.attempt)
+        async with translated():
+            status = await self.pool.execute(_EXTEND, *fence, self.lease_s)
+        if status != "UPDATE 1":
+            raise LeaseHeld("the lease was taken over; this worker may not call")
+        return dataclasses.replace(claim, lease_deadline=deadline)
 
     async def settle(
-        self, claim: Claim, settlement: Settlement, *, story: Mapping[str, object] | None
+        self,
+        claim: Claim,
+        settlement: Settlement,
+        *,
+        story: Mapping[str, object] | None,
+        attempted: Attempted = NOTHING_ATTEMPTED,
     ) -> None:
-        """Record a final state, and `story` as this delivery's event when given.
+        """Record a final state, what the attempt did, and `story` as this delivery's event
+        when given.
 
-        `LeaseHeld` if this worker no longer owns the charge (and then no event is written).
+        `LeaseHeld` if this worker no longer owns the charge (and then nothing is written).
         """
         await self._fenced(
             _SETTLE,
             claim,
+            story,
+            attempted,
             settlement.status,
             settlement.charge_id,
             settlement.error,
-            settlement.scoring,
-            _detail(story),
             settlement.decline_code,
         )
 
@@ -252,16 +311,22 @@ class Ledger:
         *,
         keep_lease: bool,
         story: Mapping[str, object] | None = None,
+        attempted: Attempted = NOTHING_ATTEMPTED,
     ) -> None:
         """Stay pending; keep the lease while an earlier call may still be in flight."""
-        await self._fenced(_RETRY_LATER, claim, error, keep_lease, _detail(story))
+        await self._fenced(_RETRY_LATER, claim, story, attempted, error, keep_lease)
 
     async def give_up(
-        self, claim: Claim, error: str, *, story: Mapping[str, object] | None = None
+        self,
+        claim: Claim,
+        error: str,
+        *,
+        story: Mapping[str, object] | None = None,
+        attempted: Attempted = NOTHING_ATTEMPTED,
     ) -> None:
         """Out of deliveries: `failed` if the gateway was never called, else left for
         reconcile's lookup (an outcome may be unknown)."""
-        await self._fenced(_GIVE_UP, claim, error, _detail(story))
+        await self._fenced(_GIVE_UP, claim, story, attempted, error)
 
     async def tell(self, charge: ChargeDue, owner: str, story: Mapping[str, object]) -> None:
         """Append a `delivery` event that no ledger write carried (none was allowed)."""
@@ -270,11 +335,28 @@ class Ledger:
                 self.pool, charge.order_id, charge.billing_period, "delivery", owner, **story
             )
 
-    async def _fenced(self, sql: str, claim: Claim, *args: object) -> None:
-        """Run a write fenced by the claim; every such statement returns the rows it changed."""
+    async def _fenced(
+        self,
+        sql: str,
+        claim: Claim,
+        story: Mapping[str, object] | None,
+        attempted: Attempted,
+        *args: object,
+    ) -> None:
+        """Run a write fenced by the claim (`_fenced_write`); `LeaseHeld` when it changed
+        nothing."""
         async with translated():
             updated = await self.pool.fetchval(
-                sql, claim.order_id, claim.billing_period, claim.owner, claim.attempt, *args
+                sql,
+                claim.order_id,
+                claim.billing_period,
+                claim.owner,
+                claim.attempt,
+                _detail(story),
+                attempted.calls,
+                attempted.scoring,
+                attempted.deferred_reason,
+                *args,
             )
         if updated != 1:
             raise LeaseHeld("the lease was taken over; this worker may not write")

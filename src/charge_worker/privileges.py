@@ -74,6 +74,8 @@ WEBHOOKS = Needs(
     (
         Grant("webhook_inbox", ("SELECT", "INSERT", "UPDATE", "DELETE"), serial="id"),
         Grant("charge_attempts", ("SELECT", "UPDATE")),
+        # a charge a webhook shows made with no verdict kept is checked after the fact
+        Grant("deferred_scoring_checks", ("SELECT", "INSERT")),
         _EVENTS,
     ),
 )
@@ -92,6 +94,8 @@ RECONCILE = Needs(
         Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
         Grant("subscriptions", ("SELECT",)),
         Grant("charge_events", ("SELECT", "INSERT"), serial="id"),
+        # a charge it finds made with no verdict kept is checked after the fact
+        Grant("deferred_scoring_checks", ("SELECT", "INSERT")),
         # how far the gateway's history is reconciled, and the keys to look at again
         Grant("reconcile_checkpoint", ("SELECT", "INSERT", "UPDATE")),
         Grant("reconcile_followups", ("SELECT", "INSERT", "UPDATE", "DELETE")),

@@ -13,18 +13,19 @@ stay until they expire).
 The fake gateway follows contracts/gateway.md: the same Idempotency-Key replays the first
 answer, unless the gateway keeps no keys at all or has forgotten them, which leaves the
 ledger as the only barrier. A request whose client timed out may still land. Time passes by
-moving `lease_until` into the past, as the ledger's own tests do; every gateway request made
-under the leases it expires has then landed or never will (DESIGN.md: a lease outlives the
-gateway timeout).
+moving `lease_until` into the past, as the ledger's own tests do, and the workers' clock
+past every lease they hold; every gateway request made under the leases it expires has then
+landed or never will (DESIGN.md: a lease outlives the gateway timeout).
 
 Checked after every step: never two effective charges for one key; a worker in a gateway
 call keeps its lease, and a timed-out request keeps the key leased, until time passes; no
-gateway call while another on the key may be under way, none without being counted in the
-ledger first, none resent without a lookup in the same delivery; a recorded charge id is a
-real charge; each counted call is in the charge's story; a charge made without a verdict has
-a deferred check; an ack only once a final state is committed; a valid charge never
-dead-lettered. At the end a worker that never crashes drives every key home: each is
-charged exactly once and `succeeded` with that charge's id.
+gateway call while another on the key may be under way, none resent without a lookup in the
+same delivery; a call that reached the gateway is counted in the ledger, or its key is still
+leased (by its caller, or by a worker that took the lease over and looks it up); a recorded
+charge id is a real charge; a charge made without a verdict has a deferred check; an ack only
+once a final state is committed; a valid charge never dead-lettered. At the end a worker
+that never crashes drives every key home: each is charged exactly once and `succeeded` with
+that charge's id, under a verdict.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ ORDERS = (101, 102, 103)
 WORKERS = ("w1", "w2", "w3")
 MONTHS = tuple(dt.date(2026, month, 1) for month in range(1, 13))
 LEASE_S = 60.0
+CALL_S = 1.0  # the fake gateway's charge deadline
 MAX_DELIVER = 3  # small, so deliveries run out and messages are requeued
 BACKOFF_S = (1.0, 5.0)
 ACK_WAIT_S = 30.0
@@ -90,10 +92,7 @@ SELECT c.idempotency_key, c.status, c.gateway_charge_id, c.gateway_calls, c.scor
        c.lease_owner, c.attempt,
        EXISTS (SELECT FROM deferred_scoring_checks d
                 WHERE (d.order_id, d.billing_period) = (c.order_id, c.billing_period))
-           AS deferred_check,
-       (SELECT count(*) FROM charge_events e
-         WHERE (e.order_id, e.billing_period) = (c.order_id, c.billing_period)
-           AND e.kind = 'gateway_call') AS calls_in_story
+           AS deferred_check
   FROM charge_attempts AS c
 """
 _ROW = "SELECT {} FROM charge_attempts WHERE order_id = $1 AND billing_period = $2"
@@ -269,6 +268,8 @@ STEPS = st.one_of(
 class Port:
     """One flight's scoring service and gateway; each call parks at its gate."""
 
+    charge_deadline_s = CALL_S
+
     def __init__(self, model: LedgerModel, flight: Flight, policy: str) -> None:
         self.model = model
         self.flight = flight
@@ -279,7 +280,9 @@ class Port:
             return Verdict("approve", 0.1)
         return ScoringFailure("scoring timed out")
 
-    async def lookup(self, order_id: int, billing_period: dt.date) -> list[GatewayCharge]:
+    async def lookup(
+        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+    ) -> list[GatewayCharge]:
         found = self.model.gateway.lookup(order_id, billing_period)  # answered later
         if await self._park("lookup") == "fail":
             raise OutcomeUnknown("gateway GET /v1/charges: timeout")
@@ -321,7 +324,8 @@ class LedgerModel(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.pool = self.run(_clean_pool(_database["url"]))
-        self.ledger = Ledger(self.pool, lease_s=LEASE_S)
+        self.now = 0.0  # the workers' clock: moves when time passes
+        self.ledger = Ledger(self.pool, lease_s=LEASE_S, clock=lambda: self.now)
         self.metrics = Metrics(CollectorRegistry())
         self.gateway = FakeGateway()
         self.policy = "defer"
@@ -374,8 +378,8 @@ class LedgerModel(RuleBasedStateMachine):
             assert len(charged) <= 1, f"{key} charged {len(charged)} times"
             row, requests = self.rows.get(key), self.gateway.requests[key]
             assert row is not None, f"{key} sent to the gateway without a row"
-            assert requests <= row["gateway_calls"], f"{key}: a call not counted first"
-            assert row["calls_in_story"] == row["gateway_calls"], dict(row)
+            if requests > row["gateway_calls"]:  # nobody may take it without a lookup
+                assert row["lease_owner"] is not None, f"{key}: a call neither counted nor leased"
             assert row["deferred_check"] == (row["scoring"] == "deferred"), dict(row)
             assert row["status"] in ("pending", "succeeded"), dict(row)
             if row["status"] == "succeeded":
@@ -403,8 +407,8 @@ class LedgerModel(RuleBasedStateMachine):
         if any(c.key == key for c in self.gateway.in_flight):
             self.violations.append(f"{flight} calls while an earlier request is under way")
         calls = await self.row_value("gateway_calls", flight.charge)
-        if calls != 1 and not flight.looked_up:
-            self.violations.append(f"{flight}: call {calls} sent without a lookup")
+        if (calls or self.gateway.requests[key]) and not flight.looked_up:
+            self.violations.append(f"{flight}: a call resent without a lookup")
 
     async def row_value(self, column: str, charge: ChargeDue) -> int:
         sql = _ROW.format(column)
@@ -510,6 +514,7 @@ class LedgerModel(RuleBasedStateMachine):
                 flight.timed_out = True
         self.gateway.time_passes(order_id, landed=landed)
         self.run(self.pool.execute(_EXPIRE, order_id))
+        self.now += LEASE_S  # past every lease held: a worker that wakes may not call
 
     # ---- the end: every key home ---------------------------------------------------------
 
@@ -556,6 +561,8 @@ class LedgerModel(RuleBasedStateMachine):
             made, row = self.gateway.effective(charge.key), self.rows[charge.key]
             assert len(made) == 1, f"{charge.key} charged {len(made)} times"
             assert (row["status"], row["gateway_charge_id"]) == ("succeeded", made[0].id)
+            assert row["gateway_calls"] >= 1, dict(row)
+            assert row["scoring"] in ("approved", "deferred"), dict(row)
 
     def _status(self, key: str) -> str | None:
         row = self.rows.get(key)

@@ -45,7 +45,8 @@ async def row(database_url: str, order_id: int) -> asyncpg.Record | None:
     conn = await asyncpg.connect(database_url)
     try:
         return await conn.fetchrow(
-            "SELECT status, gateway_calls, gateway_charge_id FROM charge_attempts"
+            "SELECT status, gateway_calls, gateway_charge_id, lease_owner, scoring"
+            " FROM charge_attempts"
             " WHERE order_id = $1",
             order_id,
         )
@@ -75,7 +76,9 @@ async def test_kill_9_after_the_gateway_charged_another_worker_finishes_once(
     assert await gateway_charges(gateway_sim.url) == {"21:2026-12-01": 1}  # charged, then died
     before = await row(database_url, 21)
     assert before is not None
-    assert (before["status"], before["gateway_calls"]) == ("pending", 1)  # outcome unknown
+    # nothing recorded the call (no write precedes one): the lease says a worker holds it
+    assert (before["status"], before["gateway_calls"]) == ("pending", 0)
+    assert before["lease_owner"] is not None
 
     survivor = WorkerProcess(settings, tmp_path / "survivor.log")
     spawn.append(survivor)
@@ -100,9 +103,13 @@ async def test_kill_9_after_the_gateway_charged_another_worker_finishes_once(
     story = explained.stdout
     (tmp_path / "explain.txt").write_text(story)
     assert "charge 21:2026-12-01: succeeded" in story
-    assert "gateway_call" in story  # the doomed worker's call, recorded before it was sent
     assert "took over the expired lease of" in story
     assert "looked up first: charged" in story
+    after = await row(database_url, 21)
+    assert after is not None
+    # the doomed worker's call, counted by the survivor that found what it made; the verdict
+    # it was made under died with it, so the charge is scored after the fact
+    assert (after["gateway_calls"], after["scoring"]) == (1, "deferred")
     assert story.count("succeeded") >= 2  # the ledger and the gateway agree
 
 

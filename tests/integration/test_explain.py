@@ -63,7 +63,7 @@ async def test_scheduled_published_charged_then_a_double_refunded(
     story = await told(settings, 1, capsys)
     lines = story.splitlines()
     kinds = [line.split()[2] for line in lines if line.startswith("  20")]
-    assert kinds == ["scheduled", "published", "gateway_call", "delivery", "refund"]
+    assert kinds == ["scheduled", "published", "delivery", "refund"]
     assert "charged -> ack" in story
     assert f"charge_id {extra}" in story
     assert "refunded" in story  # the gateway's view of the extra charge

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict
-from charge_worker.ledger import Ledger, Settlement
+from charge_worker.ledger import Attempted, Ledger, Settlement
 from charge_worker.messages import ChargeDue
 
 PERIOD = dt.date(2026, 9, 1)
@@ -90,18 +90,17 @@ async def test_expired_lease_is_taken_over_and_fences_out_the_old_owner(
     ledger: Ledger, pool: asyncpg.Pool
 ) -> None:
     old = await ledger.claim(charge(), "w1", 1)
-    await ledger.begin_gateway_call(old, scoring="approved", deferred_reason=None)
     await expire_leases(pool)
     new = await ledger.claim(charge(), "w2", 2)
     assert new.attempt == old.attempt + 1
     assert new.taken_from == "w1"
     assert old.taken_from is None
-    assert new.outcome_unknown  # the old owner's call has no recorded outcome
-    assert new.scoring == "approved"
+    assert not old.outcome_unknown
+    assert new.outcome_unknown  # the old owner may have died mid-call: no write says
     with pytest.raises(LeaseHeld):
         await ledger.settle(old, Settlement("succeeded", charge_id="ch_old"), story=None)
     with pytest.raises(LeaseHeld):
-        await ledger.begin_gateway_call(old, scoring=None, deferred_reason=None)
+        await ledger.retry_later(old, "gateway 503", keep_lease=False)
     await ledger.settle(new, Settlement("succeeded", charge_id="ch_1"), story=None)
     stored = await row(pool)
     assert (stored["status"], stored["gateway_charge_id"], stored["lease_owner"]) == (
@@ -159,14 +158,37 @@ async def test_scheduled_row_is_claimed_by_a_guarded_update(
     assert (await row(pool))["status"] == "pending"
 
 
-async def test_deferred_check_is_written_with_the_call(ledger: Ledger, pool: asyncpg.Pool) -> None:
+async def test_the_call_its_verdict_and_deferred_check_are_written_with_the_outcome(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
     claim = await ledger.claim(charge(), "w1", 1)
-    await ledger.begin_gateway_call(claim, scoring="deferred", deferred_reason="scoring timeout")
+    assert claim.outlives(ledger.clock(), 10.0)
+    assert not claim.outlives(ledger.clock(), ledger.lease_s)  # no room for the margin
+    deferred = Attempted(1, "deferred", "scoring timeout")
+    await ledger.settle(
+        claim, Settlement("succeeded", charge_id="ch_1"), story={"x": 1}, attempted=deferred
+    )
     checks = await pool.fetch("SELECT status, reason FROM deferred_scoring_checks")
     assert [(c["status"], c["reason"]) for c in checks] == [("pending", "scoring timeout")]
-    assert (await row(pool))["gateway_calls"] == 1
-    story = await pool.fetch("SELECT kind, actor, detail FROM charge_events")
-    assert [(e["kind"], e["actor"]) for e in story] == [("gateway_call", "w1")]
+    stored = await row(pool)
+    assert (stored["gateway_calls"], stored["scoring"]) == (1, "deferred")
+    story = await pool.fetch("SELECT kind, actor FROM charge_events")
+    assert [(e["kind"], e["actor"]) for e in story] == [("delivery", "w1")]
+
+
+async def test_a_fenced_out_write_keeps_neither_call_nor_verdict(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
+    old = await ledger.claim(charge(), "w1", 1)
+    await expire_leases(pool)
+    await ledger.claim(charge(), "w2", 2)
+    with pytest.raises(LeaseHeld):
+        await ledger.retry_later(
+            old, "lost", keep_lease=True, attempted=Attempted(1, "deferred", "scoring timeout")
+        )
+    stored = await row(pool)
+    assert (stored["gateway_calls"], stored["scoring"]) == (0, None)
+    assert await pool.fetchval("SELECT count(*) FROM deferred_scoring_checks") == 0
 
 
 async def test_retry_later_keeps_or_releases_the_lease(ledger: Ledger, pool: asyncpg.Pool) -> None:
@@ -189,9 +211,11 @@ async def test_give_up_fails_only_rows_never_sent(ledger: Ledger, pool: asyncpg.
     await ledger.give_up(never_sent, "max deliveries")
     assert (await row(pool, 1))["status"] == "failed"
     sent = await ledger.claim(charge(order_id=2), "w1", 2)
-    await ledger.begin_gateway_call(sent, scoring=None, deferred_reason=None)
-    await ledger.give_up(sent, "max deliveries")
+    await ledger.give_up(sent, "max deliveries", attempted=Attempted(calls=1))
     assert (await row(pool, 2))["status"] == "pending"  # the outcome may be unknown
+    called_before = await ledger.claim(charge(order_id=2), "w2", 3)
+    await ledger.give_up(called_before, "max deliveries")
+    assert (await row(pool, 2))["status"] == "pending"
 
 
 async def test_only_a_replay_revives_a_failed_row_that_never_reached_the_gateway(
@@ -213,8 +237,12 @@ async def test_a_replay_revives_a_failed_row_that_called_the_gateway_to_look_up_
     for a rejection): only a replay brings it back, and its claim says an earlier call has
     no known outcome, so the worker looks the key up before any new call."""
     rejected = await ledger.claim(charge(order_id=2), "w1", 4)
-    await ledger.begin_gateway_call(rejected, scoring=None, deferred_reason=None)
-    await ledger.settle(rejected, Settlement("failed", error="gateway 404"), story=None)
+    await ledger.settle(
+        rejected,
+        Settlement("failed", error="gateway 404"),
+        story=None,
+        attempted=Attempted(calls=1),
+    )
     with pytest.raises(AlreadySettled):
         await ledger.claim(charge(order_id=2), "w2", 5)
 

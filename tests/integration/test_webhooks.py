@@ -222,7 +222,6 @@ async def test_a_refund_before_the_charge_is_recorded_waits_then_applies(
     worker = Ledger(pool, lease_s=60)
     try:
         claim = await worker.claim(due(5), "worker-1", stream_seq=1)
-        await worker.begin_gateway_call(claim, scoring="approved", deferred_reason=None)
         # the gateway charged and refunded before the worker recorded the charge
         refund = event("ch_5", "charge.refunded", revision=2, order_id=5)
         assert (await receiver.post(refund)).status_code == 200

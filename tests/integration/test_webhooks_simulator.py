@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from charge_worker.gateway import ContractGateway
-from charge_worker.ledger import Ledger, Settlement
+from charge_worker.ledger import Attempted, Ledger, Settlement
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import GatewaySettings
@@ -169,13 +169,15 @@ async def test_reordered_and_duplicated_deliveries_leave_the_ledger_as_the_gatew
                 await set_sim(gateway_sim.url, webhook_reorder=1.0, webhook_reorder_delay_s=60)
             customer = "cus_decline" if order_id in (6, 7) else "cus_ok"
             claim = await worker.claim(due(order_id, customer), "worker-1", stream_seq=order_id)
-            await worker.begin_gateway_call(claim, scoring="approved", deferred_reason=None)
             result = await gateway.charge(due(order_id, customer))
             if result.charge_id:
                 charged[order_id] = result.charge_id
             if order_id not in (5, 7):
                 await worker.settle(
-                    claim, Settlement(result.status, charge_id=result.charge_id), story=None
+                    claim,
+                    Settlement(result.status, charge_id=result.charge_id),
+                    story=None,
+                    attempted=Attempted(1, "approved"),
                 )
         await pool.execute(
             "UPDATE charge_attempts SET lease_until = now() WHERE status = 'pending'"

@@ -33,6 +33,8 @@ class Guarded:
     `breaker` and `limiter` to stop fetching while the provider is down or the fleet's rate
     is spent)."""
 
+    requests_per_charge = 1  # the requests one `charge()` makes, each under the deadline
+
     def __init__(self, cfg: GatewaySettings, *, limiter: RateLimiter | None) -> None:
         self.timeout_s = cfg.gateway_timeout_s
         self.breaker = build_breaker(
@@ -40,6 +42,11 @@ class Guarded:
         )
         # the fleet's request rate: each request spends a token (none while the rate is off)
         self.limiter = limiter or RateLimiter(None, rate_per_s=0)
+
+    @property
+    def charge_deadline_s(self) -> float:
+        """The longest one `charge()` may take, its token waits aside."""
+        return self.requests_per_charge * self.timeout_s
 
     @property
     def available(self) -> bool:

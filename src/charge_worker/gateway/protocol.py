@@ -47,6 +47,11 @@ class Gateway(Protocol):
     breaker: pybreaker.CircuitBreaker
 
     @property
+    def charge_deadline_s(self) -> float:
+        """The longest one `charge()` may take: the worker starts one only while its lease
+        on the charge outlives that (ledger.Claim.outlives)."""
+
+    @property
     def available(self) -> bool:
         """False while the breaker is open: callers should stop taking work."""
 

@@ -64,6 +64,7 @@ class StripeGateway(Guarded):
     kind: GatewayKind = "stripe"
     history_order: HistoryOrder = "newest_first"
     webhook_scheme: WebhookScheme = "stripe"
+    requests_per_charge = 2  # the customer's saved card, then the PaymentIntent
 
     def __init__(
         self,

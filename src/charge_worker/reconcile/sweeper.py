@@ -44,15 +44,28 @@ T = TypeVar("T")
 
 # The state and fence read before, and no live lease: a worker that took the row wins. The
 # charge comes from the gateway's own lookup: shown, so no possible discrepancy.
+# A charge found made with no verdict kept (its worker died mid-call: the verdict is
+# written with the outcome) gets the post-hoc scoring check a deferred verdict has.
 _SETTLE = """
-UPDATE charge_attempts
-   SET status = $4, gateway_charge_id = coalesce($5, gateway_charge_id),
-       gateway_seen_charge_id = $5, last_error = $6, decline_code = $7,
-       lease_owner = NULL, lease_until = NULL, updated_at = now(),
-       settled_at = CASE WHEN $4 = 'processing' THEN NULL ELSE now() END
- WHERE order_id = $1 AND billing_period = $2
-   AND status IN ('scheduled', 'pending', 'processing')
-   AND attempt = $3 AND (lease_until IS NULL OR lease_until < now())
+WITH updated AS (
+    UPDATE charge_attempts
+       SET status = $4, gateway_charge_id = coalesce($5, gateway_charge_id),
+           gateway_seen_charge_id = $5, last_error = $6, decline_code = $7,
+           scoring = CASE WHEN $4 IN ('succeeded', 'processing')
+                          THEN coalesce(scoring, 'deferred') ELSE scoring END,
+           lease_owner = NULL, lease_until = NULL, updated_at = now(),
+           settled_at = CASE WHEN $4 = 'processing' THEN NULL ELSE now() END
+     WHERE order_id = $1 AND billing_period = $2
+       AND status IN ('scheduled', 'pending', 'processing')
+       AND attempt = $3 AND (lease_until IS NULL OR lease_until < now())
+    RETURNING order_id, billing_period, scoring
+), deferred AS (
+    INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
+    SELECT order_id, billing_period, 'charged with no verdict kept (found by reconcile)'
+      FROM updated WHERE scoring = 'deferred'
+    ON CONFLICT DO NOTHING
+)
+SELECT count(*) FROM updated
 """
 
 # whose charges a lookup lists: the row's customer, else the subscription's
@@ -213,10 +226,10 @@ class Sweeper:
     ) -> bool:
         """The guarded write, with its `resolved` event; False if a worker took the row."""
         async with conn.transaction():
-            result = await conn.execute(
+            updated = await conn.fetchval(
                 _SETTLE, *key, attempt, status, charge_id, error, decline_code
             )
-            if result != "UPDATE 1":
+            if updated != 1:
                 return False
             await self.event(conn, key, "resolved", status=status, charge_id=charge_id, **detail)
         self.settled.add(key)

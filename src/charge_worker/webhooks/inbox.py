@@ -90,9 +90,15 @@ SELECT coalesce(max(revision) FILTER (WHERE status = 'applied'), 0) AS applied,
 
 # Guarded although the row is locked: only a newer snapshot of the same (or a not yet
 # recorded) charge, only from the status decided on, and never under a live worker's lease.
+# An open row found charged with no verdict kept (its worker died mid-call: the verdict is
+# written with the outcome) gets the post-hoc scoring check a deferred verdict has.
 _APPLY = """
+WITH updated AS (
 UPDATE charge_attempts
    SET status = coalesce($5, status),
+       scoring = CASE WHEN status IN ('scheduled', 'pending')
+                       AND coalesce($5, status) IN ('succeeded', 'processing')
+                      THEN coalesce(scoring, 'deferred') ELSE scoring END,
        gateway_charge_id = coalesce(gateway_charge_id, $3),
        gateway_revision = $4,
        disputed_at = CASE WHEN $6 THEN coalesce(disputed_at, now()) ELSE disputed_at END,
@@ -110,6 +116,14 @@ UPDATE charge_attempts
    AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)
    AND coalesce(gateway_revision, 0) < $4
    AND (status NOT IN ('scheduled', 'pending') OR lease_until IS NULL OR lease_until < now())
+RETURNING order_id, billing_period, scoring
+), deferred AS (
+    INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
+    SELECT order_id, billing_period, 'charged with no verdict kept (found by a webhook)'
+      FROM updated WHERE scoring = 'deferred'
+    ON CONFLICT DO NOTHING
+)
+SELECT count(*) FROM updated
 """
 
 _FINISH = """
@@ -378,7 +392,7 @@ class _Held:
     async def apply(self, record: asyncpg.Record, decision: Apply) -> None:
         """The guarded ledger write of `decision`."""
         job = self.job
-        result = await self.conn.execute(
+        updated = await self.conn.fetchval(
             _APPLY,
             record["order_id"],
             record["billing_period"],
@@ -389,7 +403,7 @@ class _Held:
             f"gateway: dispute opened on {job.charge_id}",
             record["status"],
         )
-        if result != "UPDATE 1":  # the row is locked: only a bug in the rules gets here
+        if updated != 1:  # the row is locked: only a bug in the rules gets here
             raise GuardRefused(f"the guarded ledger update matched no row ({decision.change})")
 
     async def story(

@@ -7,8 +7,12 @@ state, or staying pending, or giving up, each with the delivery's event, in one 
 Neither touches the message itself (consumer.py does).
 
 The claim in the ledger comes before any side effect; the gateway's idempotency key is the
-second barrier; a row whose earlier gateway call has no recorded outcome is looked up
-before anything is sent again.
+second barrier; a row whose earlier gateway call may have charged with no outcome recorded
+(one is counted, or the lease taken over may have died mid-call) is looked up before
+anything is sent again. A charge is sent only while the claim's lease outlives the call
+(`Claim.outlives`; a slow delivery renews it first): no other write precedes it, and the
+write that records what the delivery came to also counts the call and keeps the verdict it
+was made under (`Attempted`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from charge_worker.errors import (
     OutcomeUnknown,
 )
 from charge_worker.gateway import AUTHENTICATION_REQUIRED, CARD_DECLINED, Gateway
-from charge_worker.ledger import Claim, Ledger, Settlement
+from charge_worker.ledger import Attempted, Claim, Ledger, Scoring, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
 from charge_worker.worker.decisions import (
@@ -41,6 +45,7 @@ from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+UNRECORDED_VERDICT = "charged by a worker that died before recording its verdict"
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,25 @@ class Processed:
     claim: Claim | None = None
     settlement: Settlement | None = None  # the final state found, not written yet
     called: bool = False  # the charge call was sent: a charge may be in flight
+    # the verdict the charge was sent (or blocked, or found charged) under, to be kept, and
+    # why it was deferred when it was
+    verdict: Scoring | None = None
+    deferred_reason: str | None = None
     state_written: bool = False  # the ledger write was made (or refused): events only now
     notes: dict[str, object] = field(default_factory=dict)
+
+    def attempted(self) -> Attempted:
+        """What the ledger write keeps of this delivery: the calls that may have charged (its
+        own, and its predecessor's when it took over a lease that nobody looked up behind),
+        and the verdict."""
+        claim = self.claim
+        inherited = (
+            claim is not None
+            and claim.taken_from is not None
+            and claim.gateway_calls == 0
+            and self.notes.get("lookup") != "nothing"
+        )
+        return Attempted(self.called + inherited, self.verdict, self.deferred_reason)
 
     def story(self, action: Action) -> dict[str, object]:
         """The `delivery` event: what this delivery came to and what JetStream was told."""
@@ -172,14 +194,18 @@ class Pipeline:
     async def _write(
         self, done: Processed, claim: Claim, action: Action, story: dict[str, object]
     ) -> None:
+        attempted = done.attempted()
         if done.settlement is not None:
-            await self.ledger.settle(claim, done.settlement, story=story)
+            await self.ledger.settle(claim, done.settlement, story=story, attempted=attempted)
         elif isinstance(action, DeadLetter):
-            await self.ledger.give_up(claim, f"dead-lettered: {action.reason}", story=story)
+            why = f"dead-lettered: {action.reason}"
+            await self.ledger.give_up(claim, why, story=story, attempted=attempted)
         else:
             error = done.result.error or done.result.outcome.value
             keep = done.result.call_in_flight
-            await self.ledger.retry_later(claim, error, keep_lease=keep, story=story)
+            await self.ledger.retry_later(
+                claim, error, keep_lease=keep, story=story, attempted=attempted
+            )
 
     async def _charge(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
         if claim.outcome_unknown:
@@ -187,6 +213,9 @@ class Pipeline:
                 found = await self._look_up(done, charge)
             done.notes["lookup"] = found.outcome.value if found else "nothing"
             if found:
+                if found.outcome is not Outcome.DECLINED and claim.scoring is None:
+                    # made by a worker that died before recording its verdict: check it now
+                    done.verdict, done.deferred_reason = "deferred", UNRECORDED_VERDICT
                 return found
         scoring, deferred_reason = claim.scoring, None
         if scoring is None:
@@ -196,13 +225,15 @@ class Pipeline:
                     raise NoVerdict(verdict.reason)
                 scoring, deferred_reason = "deferred", verdict.reason
             elif verdict.decision == "block":
-                done.settlement = Settlement("blocked", scoring="blocked")
+                done.verdict = "blocked"
+                done.settlement = Settlement("blocked")
                 return Result(Outcome.BLOCKED)
             else:
                 scoring = "approved"
-        await self.ledger.begin_gateway_call(
-            claim, scoring=scoring, deferred_reason=deferred_reason
-        )
+        if not claim.outlives(self.ledger.clock(), self.gateway.charge_deadline_s):
+            # slow scoring or lookup: renew the lease (fenced) rather than call on what is left
+            claim = done.claim = await self.ledger.extend(claim)
+        done.verdict, done.deferred_reason = scoring, deferred_reason
         return await self._call_gateway(done, charge)
 
     async def _score(self, done: Processed, charge: ChargeDue) -> Verdict | ScoringFailure:
