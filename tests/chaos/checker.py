@@ -59,6 +59,7 @@ class Facts:
     deliveries: Counter[str]
     redeliveries: int
     unknown_resolution_s: list[float]
+    lookups: Counter[str]  # lookups before a call, by what they found ("nothing": spent)
 
 
 @dataclass
@@ -109,6 +110,15 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
             """SELECT count(*) FROM charge_events
                 WHERE kind = 'delivery' AND (detail->>'delivery')::int > 1"""
         )
+        lookups = Counter(
+            {
+                r["found"]: r["n"]
+                for r in await conn.fetch(
+                    """SELECT detail->>'lookup' AS found, count(*) AS n FROM charge_events
+                        WHERE kind = 'delivery' AND detail ? 'lookup' GROUP BY 1"""
+                )
+            }
+        )
         unknown = await conn.fetch(
             """SELECT extract(epoch FROM a.settled_at - min(e.at)) AS s
                  FROM charge_events e JOIN charge_attempts a USING (order_id, billing_period)
@@ -125,6 +135,7 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
         deliveries,
         redeliveries,
         [float(r["s"]) for r in unknown],
+        lookups,
     )
 
 
@@ -180,6 +191,9 @@ def judge(entries: list[Entry], facts: Facts, *, ledger_forgets: bool = False) -
         "gateway_calls_p50": statistics.median(calls),
         "gateway_calls_max": max(calls),
         "redeliveries": facts.redeliveries,
+        # a takeover looks up whatever the dead worker did: "nothing" is what that costs
+        "lookups": sum(facts.lookups.values()),
+        "lookups_found_nothing": facts.lookups["nothing"],
         "doubles_refunded": verdict.outcomes[REPAIRED_DOUBLE],
         "dead_letters": len(facts.letters),
         "dead_letters_expected": sum(
