@@ -155,13 +155,13 @@ async def produce(
         await privileges.require(conn, privileges.PRODUCE)
         try:
             nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
+            stack.push_async_callback(nc.close)
+            js = nc.jetstream()
+            for drift in (await streams.provision(js, settings.nats)).drift:
+                log.warning("streams.drift", detail=str(drift))
         except DependencyUnavailable:
             await schedule(conn, day, summary, batch_size=batch, progress=progress)
             raise
-        stack.push_async_callback(nc.close)
-        js = nc.jetstream()
-        for drift in (await streams.provision(js, settings.nats)).drift:
-            log.warning("streams.drift", detail=str(drift))
         # the publisher marks on a connection of its own: one statement at a time on each
         marks = await _connect(settings, stack)
         publisher = Publisher(marks, js, settings.nats, summary, progress)
