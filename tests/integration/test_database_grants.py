@@ -137,4 +137,5 @@ async def test_before_the_migrations_the_tables_are_named_missing(empty_database
     finally:
         await conn.close()
     assert lacking[0] == "table webhook_inbox (it does not exist: run charge-worker migrate)"
-    assert len(lacking) == 3  # webhook_inbox, charge_attempts, charge_events, once each
+    # webhook_inbox, charge_attempts, deferred_scoring_checks, charge_events, once each
+    assert len(lacking) == 4
