@@ -152,10 +152,7 @@ class Verifier:
         """Pass if one signature matches one secret; else `UnauthenticDelivery`."""
         assert isinstance(signed, SignedHeaders)
         self.check_time(signed)
-        try:
-            text = body.decode()
-        except UnicodeDecodeError as error:
-            raise MalformedDelivery("the body is not UTF-8") from error
+        text = _utf8(body)
         headers = signed.as_headers()
         for hook in self._hooks:
             try:
@@ -269,10 +266,7 @@ class StripeVerifier:
         """Pass if one `v1` signature matches one secret; else `UnauthenticDelivery`."""
         assert isinstance(signed, StripeSigned)
         self.check_time(signed)
-        try:
-            text = body.decode()
-        except UnicodeDecodeError as error:
-            raise MalformedDelivery("the body is not UTF-8") from error
+        text = _utf8(body)
         for secret in self._secrets:
             try:
                 stripe.WebhookSignature.verify_header(text, signed.header, secret, tolerance=None)
@@ -297,3 +291,11 @@ def verifier_for(scheme: Scheme, cfg: WebhookSettings) -> Verifier | StripeVerif
         secrets = [secret.get_secret_value() for secret in cfg.webhook_secrets]
         return StripeVerifier(secrets, tolerance_s=cfg.webhook_tolerance_s)
     return Verifier.from_settings(cfg)
+
+
+def _utf8(body: bytes) -> str:
+    """The body as text (both schemes sign text), or `MalformedDelivery`."""
+    try:
+        return body.decode()
+    except UnicodeDecodeError as error:
+        raise MalformedDelivery("the body is not UTF-8") from error
