@@ -43,20 +43,27 @@ def _ephemeral_start() -> int:
 
 _EPHEMERAL_START = _ephemeral_start()
 _RANDOM = random.Random()  # ports, not secrets (S311 is off under sandbox/)
+_HANDED_OUT: set[int] = set()  # ports free_port() already gave out in this process
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that nothing listens on right now, below the ephemeral range: a
     port from `bind(0)` can be taken by an outgoing connection (a cluster route, a client)
-    between now and the moment the server binds it."""
+    between now and the moment the server binds it. A port is handed out once per process:
+    a cluster picks a dozen ports before any of its servers binds one."""
     while True:
+        if len(_HANDED_OUT) >= _EPHEMERAL_START - 10000:
+            raise EmbeddedServerError("every port below the ephemeral range was handed out")
         port = _RANDOM.randrange(10000, _EPHEMERAL_START)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
 
 
 def _tree(pid: int) -> list[int]:
