@@ -368,7 +368,7 @@ async def test_a_lost_connection_fails_at_once_and_leaves_the_rest_scheduled(
     summary = Summary(DAY)  # the default retry horizon (600 s) is never waited for
     async with connected(database_url) as conn:
         await schedule(conn, DAY, summary)
-        await publish_scheduled(conn, lost.jetstream(), nats_settings, summary)
+        await publish_scheduled(conn, lost, nats_settings, summary)
 
     assert summary.failed == [
         Problem(f"sub_{n}", f"{n}:2026-12-01", "the connection to NATS was lost") for n in (1, 2)

@@ -127,7 +127,7 @@ async def test_a_charge_scheduled_untraced_gets_its_trace_when_published_traced(
         await schedule(conn, DAY, summary)  # no publisher: scheduled, not sent
         assert await _traceparents(database_url) == {1: None}
         with recorded_spans() as exporter:
-            await publish_scheduled(conn, js, nats_settings, summary)
+            await publish_scheduled(conn, nc, nats_settings, summary)
         create, send = exporter.get_finished_spans()
 
     [traceparent] = (await _traceparents(database_url)).values()

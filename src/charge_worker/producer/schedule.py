@@ -164,7 +164,7 @@ async def produce(
             raise
         # the publisher marks on a connection of its own: one statement at a time on each
         marks = await _connect(settings, stack)
-        publisher = Publisher(marks, js, settings.nats, summary, progress)
+        publisher = Publisher(marks, nc, settings.nats, summary, progress)
         await publisher.publish_leftovers(batch_size or BATCH)
         await schedule(conn, day, summary, batch_size=batch, progress=progress, publisher=publisher)
     return summary
