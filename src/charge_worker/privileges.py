@@ -83,8 +83,8 @@ PRODUCE = Needs(
     "produce",
     (
         Grant("subscriptions", ("SELECT", "UPDATE")),
+        # its rows tell the charge's `scheduled` and `published` (events.py): no event row
         Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
-        _EVENTS,
     ),
 )
 RECONCILE = Needs(

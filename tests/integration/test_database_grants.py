@@ -114,20 +114,20 @@ async def test_the_readme_grants_give_every_command_what_it_needs(roles: Roles) 
 
 async def test_a_command_without_a_grant_fails_at_start_naming_it(roles: Roles) -> None:
     await roles.as_owner(
-        "REVOKE UPDATE ON subscriptions FROM charge_worker;"
+        "REVOKE UPDATE ON charge_attempts FROM charge_worker;"
         " REVOKE USAGE ON SEQUENCE charge_events_id_seq FROM charge_worker"
     )
     conn = await asyncpg.connect(roles.worker_url)
     try:
         with pytest.raises(SettingsError) as raised:
-            await privileges.require(conn, privileges.PRODUCE)
+            await privileges.require(conn, privileges.WEBHOOKS)
     finally:
         await conn.close()
     message = str(raised.value)
     assert "\n" not in message
-    assert message.startswith("DATABASE_URL: the role lacks UPDATE on subscriptions; ")
+    assert message.startswith("DATABASE_URL: the role lacks UPDATE on charge_attempts; ")
     assert "USAGE on the sequence of charge_events.id" in message
-    assert "`produce`" in message
+    assert "`webhooks`" in message
 
 
 async def test_before_the_migrations_the_tables_are_named_missing(empty_database_url: str) -> None:

@@ -129,3 +129,22 @@ async def test_escape_sequences_in_the_story_never_reach_the_terminal(
     assert "worker-\\x1b]0;owned\\x07" in story
     assert "gateway timed out \\u202egnp.exe" in story
     assert "why \\x1b[31mred" in story
+
+
+async def test_the_producers_steps_are_told_by_the_row_and_only_for_its_rows(
+    conn: asyncpg.Connection,
+) -> None:
+    """`scheduled` and `published` come from the ledger row's columns: a row a worker made
+    from a message someone else published tells neither, and the rows of an earlier
+    version that wrote them as events are told once."""
+    await put_row(conn, 6, "pending")  # claimed from a message no producer of ours sent
+    await put_row(conn, 7, "succeeded", charge_id="ch_7")
+    await events.record(conn, 7, DAY, "scheduled", "producer", subscription_id="sub_7")
+    await conn.execute(
+        "UPDATE charge_attempts SET published_at = now(), published_seq = 4 WHERE order_id = 7"
+    )
+
+    assert await events.story(conn, 6, DAY) == []
+    [scheduled, published] = await events.story(conn, 7, DAY)
+    assert (scheduled.kind, scheduled.detail) == ("scheduled", {"subscription_id": "sub_7"})
+    assert (published.kind, published.detail) == ("published", {"msg_id": f"charge:7:{DAY}"})

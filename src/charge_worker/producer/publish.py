@@ -6,10 +6,9 @@ leaves some behind, and this step is what makes that harmless. Each is published
 `published_at` set, outside any transaction that spans the publish. A failing publish is
 retried with backoff for up to `publish_retry_horizon_s`.
 
-Publishes go out `WINDOW` at a time, replying to one inbox, and their acks are awaited together;
-the window's rows are then marked, and their `published` events written, in one statement
-built in SQL. One at a time, a publish and three statements per row held a month's run to
-a few hundred charges a second.
+Publishes go out `WINDOW` at a time, replying to one inbox, and their acks are awaited
+together; the window's rows are then marked in one statement built in SQL. One at a time, a
+publish and three statements per row held a month's run to a few hundred charges a second.
 
 Two ways in: `publish_scheduled` reads what earlier runs left (rows scheduled by hand
 too), and `Publisher` takes what this run's `schedule` has just committed, batch after
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 
 import asyncpg
 import nats.errors
-import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -41,14 +39,12 @@ from charge_worker.messages import SCHEMA, ChargeDue
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import NatsSettings
 
-ACTOR = "producer"
 DEFAULT_SUBJECT = "charges.due"
 BATCH = 5000  # rows per read
 WINDOW = 1000  # publishes awaiting their acks at once
 PUBLISH_TIMEOUT_S = 5.0
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 5.0
-log = structlog.get_logger(__name__)
 
 # Keyset on the sort order: rows another run publishes meanwhile, or a worker claims, drop
 # out; no row is read twice. A row written by hand may lack due_at: the contract's default.
@@ -71,31 +67,17 @@ SELECT count(*) FROM charge_attempts
 
 # Not "still scheduled": a worker may claim the message before this runs, and the row should
 # still say when it was published, and where (reconcile reads it to tell a queued message
-# from a lost one). The first publish is never overwritten, nor a trace the row names.
+# from a lost one). The first publish is never overwritten, nor a trace the row names. The
+# row is the charge's `published` event too (events.py).
 _MARKED = """
 UPDATE charge_attempts AS a
    SET published_at = now(), published_seq = p.seq,
        traceparent = coalesce(a.traceparent, p.traceparent)
-  FROM unnest($1::bigint[], $2::date[], $3::bigint[], $4::text[], $5::bool[])
-       AS p(order_id, billing_period, seq, traceparent, duplicate)
+  FROM unnest($1::bigint[], $2::date[], $3::bigint[], $4::text[])
+       AS p(order_id, billing_period, seq, traceparent)
  WHERE a.order_id = p.order_id AND a.billing_period = p.billing_period
    AND a.published_at IS NULL
-RETURNING a.order_id, a.billing_period, p.seq, p.duplicate, a.traceparent
 """
-
-# The marked rows' `published` events, in the same statement.
-_MARK_PUBLISHED = (
-    "WITH marked AS (" + _MARKED + ")"
-    """
-INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-SELECT order_id, billing_period, 'published', $6,
-       jsonb_strip_nulls(jsonb_build_object(
-           'stream_seq', seq,
-           'msg_id', 'charge:' || order_id || ':' || to_char(billing_period, 'YYYY-MM-DD'),
-           'duplicate', duplicate, 'trace_id', split_part(traceparent, '-', 2)))
-  FROM marked
-"""
-)
 
 _FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), dt.date.min, 0)
 
@@ -287,23 +269,16 @@ class _Acks:
 async def _mark_published(
     conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck, str | None]]
 ) -> None:
-    """Set `published_at` (and the trace, if the row names none) on the acked rows and write
-    their `published` events. The events are the story, not the state: when they cannot be
-    written (a missing partition), the rows are marked without them."""
-    if not acked:
-        return
-    columns = (
-        [c.order_id for c, _, _ in acked],
-        [c.billing_period for c, _, _ in acked],
-        [a.seq for _, a, _ in acked],
-        [t for *_, t in acked],
-        [bool(a.duplicate) for _, a, _ in acked],
-    )
-    try:
-        await conn.execute(_MARK_PUBLISHED, *columns, ACTOR)
-    except asyncpg.PostgresError as error:
-        log.warning("events.write_failed", kind="published", rows=len(acked), error=repr(error))
-        await conn.execute(_MARKED, *columns)
+    """Set `published_at`, the stream sequence and the trace (if the row names none) on the
+    acked rows."""
+    if acked:
+        await conn.execute(
+            _MARKED,
+            [c.order_id for c, _, _ in acked],
+            [c.billing_period for c, _, _ in acked],
+            [a.seq for _, a, _ in acked],
+            [t for *_, t in acked],
+        )
 
 
 async def _publish(

@@ -38,7 +38,6 @@ from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
 from charge_worker.periods import due_periods
 from charge_worker.producer.publish import (
-    ACTOR,
     BATCH,
     DEFAULT_SUBJECT,
     Outgoing,
@@ -67,27 +66,15 @@ SELECT order_id, billing_period, status, fingerprint FROM charge_attempts
  WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
 """
 
-# One statement for the whole batch; the `scheduled` events go with the rows, naming the
-# charge's trace when there is one.
+# One statement for the whole batch. The row is the charge's `scheduled` event too (events.py).
 _SCHEDULE = """
-WITH inserted AS (
-    INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
-                                 customer_id, amount_minor, currency, due_at, traceparent,
-                                 status)
-    SELECT *, 'scheduled'
-      FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[], $6::bigint[],
-                  $7::text[], $8::timestamptz[], $9::text[])
-    ON CONFLICT DO NOTHING
-    RETURNING order_id, billing_period, subscription_id, amount_minor, currency, traceparent
-), story AS (
-    INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
-    SELECT order_id, billing_period, 'scheduled', $10,
-           jsonb_strip_nulls(jsonb_build_object(
-               'subscription_id', subscription_id, 'amount_minor', amount_minor,
-               'currency', currency, 'trace_id', split_part(traceparent, '-', 2)))
-      FROM inserted
-)
-SELECT order_id, billing_period FROM inserted
+INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
+                             customer_id, amount_minor, currency, due_at, traceparent, status)
+SELECT *, 'scheduled'
+  FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[], $6::bigint[],
+              $7::text[], $8::timestamptz[], $9::text[])
+ON CONFLICT DO NOTHING
+RETURNING order_id, billing_period
 """
 
 # Guarded by the date each row was read with; the anchor is fixed on the first advance.
@@ -296,8 +283,8 @@ def _recorded(charge: ChargeDue, found: asyncpg.Record | None, summary: Summary)
 async def _insert(
     conn: asyncpg.Connection, charges: list[ChargeDue], subject: str
 ) -> list[Outgoing]:
-    """Record the charges as `scheduled`, with their events and the traces they open; the
-    charges actually inserted, with their traces."""
+    """Record the charges as `scheduled`, with the traces they open; the charges actually
+    inserted, with their traces."""
     if not charges:
         return []
     created = [opened(charge, subject) for charge in charges]
@@ -313,7 +300,6 @@ async def _insert(
         [c.currency for c in charges],
         [c.due_at for c in charges],
         traces,
-        ACTOR,
     )
     keys = {(row["order_id"], row["billing_period"]) for row in rows}
     inserted = []
