@@ -4,8 +4,8 @@ Kinds, and who writes them:
 
 | kind           | actor      | detail                                                        |
 |----------------|------------|---------------------------------------------------------------|
-| `scheduled`    | producer   | subscription, amount, currency: told by the ledger row (below) |
-| `published`    | producer   | msg id: told by the ledger row (below)                         |
+| `scheduled`    | producer   | subscription, amount, currency: told by the ledger row (below)|
+| `published`    | producer   | msg id: told by the ledger row (below)                        |
 | `gateway_call` | worker     | attempt, call number: one written before each call by earlier |
 |                |            | versions (`explain` still tells them); `delivery` says it now |
 | `delivery`     | worker     | stream seq, delivery, attempt, taken over from, scoring,       |

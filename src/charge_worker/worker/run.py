@@ -9,6 +9,7 @@ one that dies is logged at error level and fails `/healthz`, so the pod is resta
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -130,7 +131,13 @@ async def run_worker(
 
 
 async def run_command(settings: Settings) -> int:
-    """`charge-worker run`: until SIGTERM or SIGINT; 0 after a clean stop."""
+    """`charge-worker run`: until SIGTERM or SIGINT; 0 after a clean stop.
+
+    What is loaded by now (modules, validators, settings) lives as long as the process:
+    frozen out of the collector's sight, a full collection no longer walks it for every
+    few thousand objects a stream of charges allocates (5 % of the worker's CPU at
+    saturation, py-spy)."""
+    gc.freeze()
     stop = asyncio.Event()
     with event_loop.stop_on_signals(stop):
         await run_worker(settings, stop)
