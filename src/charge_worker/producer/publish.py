@@ -105,7 +105,8 @@ async def publish_scheduled(
 
 
 class Publisher:
-    """Publishes batches of charges a window at a time, marking the acked rows on `conn`.
+    """Publishes batches of charges a window at a time, marking the acked rows on `conn`;
+    the lanes of a run share it.
 
     After a window whose publishes failed for the whole retry horizon it publishes nothing
     more: the failures are counted as `failed`, every charge handed to it afterwards as
@@ -121,6 +122,7 @@ class Publisher:
         progress: Progress | None = None,
     ) -> None:
         self.conn = conn
+        self.marking = asyncio.Lock()  # lanes publish at once; `conn` marks one at a time
         self.nc = nc
         self.cfg = cfg
         self.summary = summary
@@ -153,7 +155,7 @@ class Publisher:
             if self.broken:
                 self.summary.abandoned += len(window)
                 continue
-            acked, failed = await _publish_window(self.conn, self.nc, self.cfg, window)
+            acked, failed = await _publish_window(self, window)
             for ack in acked:
                 if ack.duplicate:
                     self.summary.deduplicated += 1
@@ -167,18 +169,19 @@ class Publisher:
 
 
 async def _publish_window(
-    conn: asyncpg.Connection, nc: NATS, cfg: NatsSettings, outgoing: list[Outgoing]
+    publisher: Publisher, outgoing: list[Outgoing]
 ) -> tuple[list[PubAck], list[Problem]]:
     """Publish the charges together and mark the acked ones: their acks, and what could not
     be stored. Any other error is raised once the acked rows are marked.
 
     Each message carries its row's `traceparent`; a row scheduled with tracing off gets
     its trace opened now, with tracing on. Each publish is a `send` span in that trace."""
+    cfg = publisher.cfg
     charges = [o.charge for o in outgoing]
     traces = [o.traceparent or _open_now(o.charge, cfg.subject) for o in outgoing]
     sends = [_sending(c, trace, cfg.subject) for c, trace in zip(charges, traces, strict=True)]
     headers = [_headers(c, trace) for c, trace in zip(charges, traces, strict=True)]
-    answers = await _publish_all(nc, cfg, charges, headers)
+    answers = await _publish_all(publisher.nc, cfg, charges, headers)
     for span, answer in zip(sends, answers, strict=True):
         _sent(span, answer)
     acked = [
@@ -186,7 +189,8 @@ async def _publish_window(
         for c, a, trace in zip(charges, answers, traces, strict=True)
         if isinstance(a, PubAck)
     ]
-    await _mark_published(conn, acked)
+    async with publisher.marking:
+        await _mark_published(publisher.conn, acked)
     failed = []
     for charge, answer in zip(charges, answers, strict=True):
         if isinstance(answer, DependencyUnavailable):

@@ -25,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from dataclasses import dataclass
+import gc
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 import click
@@ -88,6 +91,7 @@ UPDATE subscriptions AS s
 
 Key = tuple[int, dt.date]
 SCHEDULE_BATCH = 5000  # subscriptions per transaction
+LANES = 2  # transactions of one run at once: one is read and locked while another commits
 _MESSAGE_FIELDS = ("subscription_id", "order_id", "customer_id", "amount_minor", "currency")
 
 
@@ -117,6 +121,7 @@ async def produce_command(settings: Settings, day: dt.date, *, as_json: bool) ->
     conflicts are reported and skipped, but do not fail the run on their own. Progress goes
     to stderr every 1000 rows, so `--json` keeps stdout one JSON object.
     """
+    gc.freeze()  # what start-up loaded lives as long as the run: no collection walks it
     summary = await produce(settings, day, progress=lambda line: click.echo(line, err=True))
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
     return summary.exit_code
@@ -150,17 +155,46 @@ async def produce(
             await schedule(conn, day, summary, batch_size=batch, progress=progress)
             raise
         # the publisher marks on a connection of its own: one statement at a time on each
-        marks = await _connect(settings, stack)
-        publisher = Publisher(marks, nc, settings.nats, summary, progress)
+        publisher = Publisher(await _connect(settings, stack), nc, settings.nats, summary, progress)
         await publisher.publish_leftovers(batch_size or BATCH)
-        await schedule(conn, day, summary, batch_size=batch, progress=progress, publisher=publisher)
+        cursor = Cursor(Ticker("due subscriptions examined", progress))
+        conns = [conn] + [await _connect(settings, stack) for _ in range(LANES - 1)]
+        await _all(
+            schedule(lane, day, summary, batch_size=batch, publisher=publisher, cursor=cursor)
+            for lane in conns
+        )
     return summary
+
+
+async def _all(lanes: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run the lanes at once; when one fails, the others are cancelled (their open batch
+    rolls back) before its error goes on."""
+    tasks = [asyncio.create_task(lane) for lane in lanes]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _connect(settings: Settings, stack: contextlib.AsyncExitStack) -> asyncpg.Connection:
     conn = await database.connect(settings.db, application_name="charge-worker produce")
     stack.push_async_callback(database.close_quietly, conn)
     return conn
+
+
+@dataclass
+class Cursor:
+    """Where the next batch of due subscriptions starts, shared by the lanes of one run:
+    each lane reads its batch (and locks it) under `lock`, then records and commits it
+    while the others read theirs. No subscription is read twice in a run, those refused
+    included, exactly as with one lane."""
+
+    ticker: Ticker
+    after: str = ""
+    done: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 async def schedule(
@@ -171,31 +205,32 @@ async def schedule(
     batch_size: int = SCHEDULE_BATCH,
     progress: Progress | None = None,
     publisher: Publisher | None = None,
+    cursor: Cursor | None = None,
 ) -> None:
     """Step 1: record every charge due on or before `day` as `scheduled`, a batch of
     subscriptions per transaction, four statements per batch whatever its size, and hand
     each committed batch's new charges to `publisher`. With tracing on, each charge
-    recorded opens its trace (`create <subject>`), kept in its row."""
-    ticker = Ticker("due subscriptions examined", progress)
+    recorded opens its trace (`create <subject>`), kept in its row. Lanes running at once
+    on connections of their own share a `cursor`."""
+    cursor = cursor or Cursor(Ticker("due subscriptions examined", progress))
     subject = publisher.cfg.subject if publisher else DEFAULT_SUBJECT
     publishing: asyncio.Task[bool] | None = None  # the previous batch's, while this one runs
-    after = ""
     try:
-        while True:
+        while not cursor.done:
             async with conn.transaction():
-                rows = await conn.fetch(_DUE, day, after, batch_size)
+                async with cursor.lock:
+                    rows = await conn.fetch(_DUE, day, cursor.after, batch_size)
+                    cursor.done = len(rows) < batch_size
+                    cursor.after = rows[-1]["subscription_id"] if rows else cursor.after
                 plans = [_plan(row, day, summary) for row in rows]
                 recorded = await _schedule_batch(conn, plans, summary, subject)
             summary.due += len(rows)
-            ticker.tick(len(rows))
+            cursor.ticker.tick(len(rows))
             if publishing is not None:
                 await publishing
                 publishing = None
             if publisher is not None and recorded:
                 publishing = asyncio.create_task(publisher.publish(recorded))
-            if len(rows) < batch_size:
-                break
-            after = rows[-1]["subscription_id"]
     finally:
         if publishing is not None:
             await publishing
