@@ -151,6 +151,25 @@ async def test_billing_dates_keep_their_anchor_through_short_months(
 
 
 @pytest.mark.usefixtures("nc")
+async def test_lanes_read_each_due_subscription_once_refused_ones_included(
+    settings: Settings, database_url: str
+) -> None:
+    """A run's lanes share one cursor: with a batch of one, they take turns, and a row
+    left behind (it breaks the contract) is not read again by the other lane."""
+    await add_subscriptions(
+        database_url,
+        *(Sub(f"sub_{n:02}", n) for n in range(1, 9)),
+        *(Sub(f"sub_{n:02}_bad", n, currency="rub") for n in range(11, 15)),
+    )
+    summary = await produce(settings, DAY, batch_size=1)
+
+    assert sorted(p.subscription_id for p in summary.invalid) == [
+        f"sub_{n:02}_bad" for n in range(11, 15)
+    ]
+    assert (summary.due, summary.scheduled, summary.published) == (12, 8, 8)
+
+
+@pytest.mark.usefixtures("nc")
 async def test_rows_breaking_the_contract_are_reported_skipped_and_not_advanced(
     settings: Settings, database_url: str
 ) -> None:
