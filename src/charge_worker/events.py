@@ -44,6 +44,8 @@ from typing import Any
 
 import asyncpg
 
+from charge_worker.messages import msg_id
+
 _INSERT = """
 INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)
 VALUES ($1, $2, $3, $4, $5::jsonb)
@@ -112,6 +114,6 @@ def _produced(
         detail = {name: row[name] for name in ("subscription_id", "amount_minor", "currency")}
         found.append(Event(row["created_at"], "scheduled", PRODUCER, detail | trace))
     if row["published_at"] is not None and "published" not in told:
-        msg_id = f"charge:{order_id}:{billing_period.isoformat()}"
-        found.append(Event(row["published_at"], "published", PRODUCER, {"msg_id": msg_id} | trace))
+        detail = {"msg_id": msg_id(order_id, billing_period)} | trace
+        found.append(Event(row["published_at"], "published", PRODUCER, detail))
     return found

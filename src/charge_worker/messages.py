@@ -98,7 +98,7 @@ class ChargeDue(BaseModel):
     @property
     def msg_id(self) -> str:
         """The `Nats-Msg-Id` the producer publishes this charge with."""
-        return f"charge:{self.order_id}:{self.billing_period.isoformat()}"
+        return msg_id(self.order_id, self.billing_period)
 
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True).encode()
@@ -106,6 +106,10 @@ class ChargeDue(BaseModel):
 
 def idempotency_key(order_id: int, billing_period: dt.date) -> str:
     return f"{order_id}:{billing_period.isoformat()}"
+
+
+def msg_id(order_id: int, billing_period: dt.date) -> str:
+    return f"charge:{idempotency_key(order_id, billing_period)}"
 
 
 def parse(body: bytes) -> ChargeDue:
