@@ -478,8 +478,7 @@ async def drain(
 ) -> Drained:
     """Run one sample; `settings` name the sample's database and streams."""
     cfg = settings.nats
-    database_url = settings.db.url
-    assert database_url is not None
+    database_url = settings.db.dsn
     await stack.gateway.set_latency(http, plan.gateway)
     await stack.scoring.set_latency(http, plan.scoring)
     nc = await streams.connect(cfg, name="charge-worker-bench", reconnect=False)

@@ -190,7 +190,7 @@ async def _drain(
     timeline, runs = Timeline(started_unix=time.time()), list[dict[str, Any]]()
     workers = Workers(settings, log_dir, count=2)
     nc = await streams.connect(settings.nats, name="bench-month-start", reconnect=False)
-    conn = await asyncpg.connect(settings.db.url)
+    conn = await asyncpg.connect(settings.db.dsn)
     stop = asyncio.Event()
 
     async def reconcile_on_schedule() -> None:
@@ -231,7 +231,7 @@ async def _gateway_stats(stack: Stack) -> dict[str, Any]:
 
 async def _sizes(settings: Settings, charges: int) -> dict[str, float]:
     """Bytes per charge in each store: the ledger, the story, the charges stream."""
-    conn = await asyncpg.connect(settings.db.url)
+    conn = await asyncpg.connect(settings.db.dsn)
     try:
         ledger = await conn.fetchval("SELECT pg_total_relation_size('charge_attempts')")
         story = await conn.fetchval(

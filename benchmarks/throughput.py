@@ -27,14 +27,13 @@ def bare_consumer(
     bench: Bench, settings: Settings, name: str, profile: Path | None = None
 ) -> ChildConsumer:
     """The bare pipeline as a child process, mirroring `settings`."""
-    assert settings.db.url is not None
     ready_file = bench.log_dir / f"{name}.ready"
     ready_file.unlink(missing_ok=True)
     config = BareConfig(
         nats_url=bench.stack.nats_url,
         stream=settings.nats.stream,
         durable=settings.nats.durable,
-        database_url=settings.db.url,
+        database_url=settings.db.dsn,
         gateway_url=bench.stack.gateway.url,
         scoring_url=bench.stack.scoring.url,
         api_key=bench.stack.api_key,

@@ -72,10 +72,8 @@ def main() -> None:
 def migrate(directory: Path | None, as_json: bool) -> None:
     """Apply the database migrations not applied yet (safe to run concurrently)."""
     from charge_worker.migrate import migrate as apply_all  # noqa: PLC0415
-    from charge_worker.settings import require  # noqa: PLC0415
 
-    settings = _settings()
-    dsn = require(settings.db.url, "DATABASE_URL")
+    dsn = _settings().db.dsn
     if as_json:
         applied = _run(apply_all(dsn, directory))
         click.echo(json.dumps({"applied": [m.path.name for m in applied], "exit_code": 0}))

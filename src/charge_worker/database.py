@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 
 from charge_worker.errors import DependencyUnavailable, UnstorableValue
-from charge_worker.settings import DbSettings, require
+from charge_worker.settings import DbSettings
 
 PROBE_TIMEOUT_S = 2.0
 # InternalClientError: a pooled connection whose server died mid-operation ("cannot switch
@@ -49,7 +49,7 @@ async def keep_session(conn: asyncpg.Connection) -> None:
 
 async def create_pool(cfg: DbSettings) -> asyncpg.Pool:
     """The process's connection pool."""
-    dsn = require(cfg.url, "DATABASE_URL")
+    dsn = cfg.dsn
     async with translated("cannot connect to the database"):
         pool = await asyncpg.create_pool(
             dsn,
@@ -64,7 +64,7 @@ async def create_pool(cfg: DbSettings) -> asyncpg.Pool:
 
 async def connect(cfg: DbSettings, *, application_name: str) -> asyncpg.Connection:
     """One connection, named in `pg_stat_activity`."""
-    dsn = require(cfg.url, "DATABASE_URL")
+    dsn = cfg.dsn
     async with translated("cannot connect to the database"):
         conn: asyncpg.Connection = await asyncpg.connect(
             dsn,

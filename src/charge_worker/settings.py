@@ -77,11 +77,16 @@ class NatsSettings(_EnvGroup):
 class DbSettings(_EnvGroup):
     """The PostgreSQL ledger."""
 
-    url: str | None = _alias("DATABASE_URL", "url")
+    url: SecretStr | None = _alias("DATABASE_URL", "url")  # a DSN may hold a password
     db_pool_min: int = Field(1, ge=0)
     db_pool_max: int = Field(10, ge=1)
     db_command_timeout_s: float = Field(10.0, gt=0)
     events_retention_months: int = Field(13, ge=2)  # `maintain` drops charge_events past it
+
+    @property
+    def dsn(self) -> str:
+        """The address to connect to; fails naming DATABASE_URL when it is not set."""
+        return require(self.url.get_secret_value() if self.url else None, "DATABASE_URL")
 
 
 class WorkerSettings(_EnvGroup):

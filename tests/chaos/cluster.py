@@ -217,8 +217,7 @@ class Cluster:
     @property
     def database_url(self) -> str:
         """The scenario's database, directly (not through the proxy)."""
-        assert self.settings.db.url is not None
-        return _direct(self.settings.db.url, self.servers.pg.port, self.proxies["postgres"])
+        return _direct(self.settings.db.dsn, self.servers.pg.port, self.proxies["postgres"])
 
     @property
     def direct_nats(self) -> NatsSettings:

@@ -66,7 +66,7 @@ async def test_the_ledger_refuses_an_unstorable_charge_as_poison(pool: asyncpg.P
 
 
 async def test_a_connection_that_is_gone_is_still_an_outage(db_settings: DbSettings) -> None:
-    conn = await asyncpg.connect(db_settings.url)
+    conn = await asyncpg.connect(db_settings.dsn)
     await conn.close()
     with pytest.raises(DependencyUnavailable):
         async with translated("ledger"):

@@ -48,7 +48,7 @@ async def test_scheduled_published_charged_then_a_double_refunded(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     await provisioned(nc, settings)
-    await add_subscriptions(str(settings.db.url), Sub("sub_1", 1))
+    await add_subscriptions(settings.db.dsn, Sub("sub_1", 1))
     await produce(settings, DAY)
     async with running_worker(settings):
 

@@ -709,7 +709,7 @@ async def test_metrics_file_and_json_carry_the_run(
 
     # a run that finds the lock taken leaves the file of the run that holds it alone
     content = path.read_text()
-    holder = await asyncpg.connect(settings.db.url)
+    holder = await asyncpg.connect(settings.db.dsn)
     try:
         assert await holder.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
         code = await reconcile_command(

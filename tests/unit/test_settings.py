@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from charge_worker.errors import SettingsError
-from charge_worker.settings import Settings, load_settings
+from charge_worker.settings import DbSettings, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +49,24 @@ def test_reads_conventional_names_and_prefixed_ones(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CHARGE_WORKER_ACK_WAIT_S", "5")
     settings = load_settings()
     assert settings.nats.url == "nats://10.0.0.1:4222"
-    assert settings.db.url == "postgresql://db/charges"
+    assert settings.db.dsn == "postgresql://db/charges"
     assert settings.worker.concurrency == 32
     assert settings.nats.backoff_s == (5, 10, 20)
     assert settings.gateway.api_key is not None
     assert "sk_live_secret" not in repr(settings)  # never printed by accident
+
+
+def test_the_database_address_is_a_secret_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgresql://charges:pa55word@db/charges")
+    settings = load_settings()
+    assert "pa55word" not in repr(settings)
+    assert "pa55word" not in str(settings.model_dump())
+    assert settings.db.dsn == "postgresql://charges:pa55word@db/charges"
+
+
+def test_a_missing_database_address_fails_naming_its_variable() -> None:
+    with pytest.raises(SettingsError, match=r"^DATABASE_URL is not set"):
+        DbSettings().dsn  # noqa: B018
 
 
 def test_backoff_accepts_a_json_list(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,7 +44,7 @@ from charge_worker.reconcile.report import Report, table, to_json, write_metrics
 from charge_worker.reconcile.republisher import NatsRepublisher
 from charge_worker.reconcile.sweeper import CONCURRENCY, Sweeper
 from charge_worker.reconcile.sweeps import lost_messages, unknown_outcomes
-from charge_worker.settings import DbSettings, Settings, require
+from charge_worker.settings import DbSettings, Settings
 
 # Any constant of reconcile's own; "reconcil" in ASCII (migrate.py's is "charge-w").
 LOCK_KEY = 0x7265636F6E63696C
@@ -304,7 +304,7 @@ async def _pool(cfg: DbSettings) -> AsyncIterator[asyncpg.Pool]:
     """The connections keys are worked on from, named as the run's own is."""
     async with translated("cannot connect to the database"):
         pool = await asyncpg.create_pool(
-            require(cfg.url, "DATABASE_URL"),
+            cfg.dsn,
             min_size=0,
             max_size=min(CONCURRENCY, cfg.db_pool_max),
             command_timeout=cfg.db_command_timeout_s,

@@ -169,8 +169,7 @@ async def _killed_on_exit(workers: list[WorkerProcess]) -> AsyncIterator[None]:
 
 async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]:
     """The demo after the servers are up; returns the broken expectations."""
-    cfg, database_url = settings.nats, settings.db.url
-    assert database_url is not None
+    cfg, database_url = settings.nats, settings.db.dsn
     click.echo(f"    settings: {describe(settings)}")
     _step("migrating the ledger")
     for migration in await migrate(database_url):
