@@ -467,6 +467,33 @@ async def test_purged_stream_every_due_charge_republished_and_charged_once(
     assert {order for order, _ in await story(conn, "republished")} == {1, 2, 3, 4}
 
 
+async def test_a_republished_message_carries_the_trace_its_row_names(
+    nc: Client,
+    nats_settings: NatsSettings,
+    database_url: str,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
+    """Every copy of a charge's message continues the trace its row names, reconcile's too."""
+    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    js = await provisioned(nc, settings)
+    traced = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    await put_row(conn, 1, "scheduled")
+    await put_row(conn, 2, "scheduled")
+    await conn.execute("UPDATE charge_attempts SET traceparent = $1 WHERE order_id = 1", traced)
+
+    report = await run_reconcile(settings)
+
+    assert report.counts.republished == 2
+    headers = {}
+    for found in report.findings["lost_messages"]:
+        message = await js.get_msg(settings.nats.stream, found.detail["stream_seq"])
+        headers[found.key] = dict(message.headers or {})
+    assert headers[key(1)]["traceparent"] == traced
+    assert "traceparent" not in headers[key(2)]
+
+
 async def _all(conn: asyncpg.Connection, status: str, count: int) -> bool:
     rows = await ledger(conn)
     return len(rows) == count and all(s == status for s, _ in rows.values())

@@ -50,12 +50,16 @@ class NatsRepublisher:
         nc, _ = await self._connected()
         return await streams.position(nc, self.cfg)
 
-    async def republish(self, body: bytes, msg_id: str) -> int:
-        """Publish and wait for the stream's ack; return its sequence."""
+    async def republish(self, body: bytes, msg_id: str, *, traceparent: str | None) -> int:
+        """Publish and wait for the stream's ack; return its sequence. The message carries
+        `traceparent` when the row names one."""
         _, js = await self._connected()
         subject = self.cfg.subject
+        headers = {"Nats-Msg-Id": msg_id}
+        if traceparent:
+            headers["traceparent"] = traceparent
         try:
-            ack = await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
+            ack = await js.publish(subject, body, headers=headers)
         except (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError) as error:
             raise DependencyUnavailable(f"JetStream could not store {subject}: {error}") from error
         except nats.js.errors.APIError as error:

@@ -83,8 +83,9 @@ class Republisher(Protocol):
     async def position(self) -> Position:
         """The consumer's position in the stream now."""
 
-    async def republish(self, body: bytes, msg_id: str) -> int:
-        """Publish, wait for the ack, return the stream sequence."""
+    async def republish(self, body: bytes, msg_id: str, *, traceparent: str | None) -> int:
+        """Publish, wait for the ack, return the stream sequence. The copy continues the
+        trace its row names (`traceparent`), as every copy of a charge's message does."""
 
 
 def stamp(moment: dt.datetime) -> str:

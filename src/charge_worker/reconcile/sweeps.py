@@ -54,7 +54,7 @@ coalesce({_NEWEST} > $2 AND {_NEWEST} >= $3 AND NOT {_NEWEST} = ANY($4::bigint[]
 """
 _QUIET = f"""
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
-       due_at, status, attempt, updated_at
+       due_at, status, attempt, updated_at, traceparent
   FROM charge_attempts {_OPEN_AND_QUIET} AND NOT {_WAITING}
    AND (updated_at, order_id, billing_period) > ($5, $6, $7)
  ORDER BY updated_at, order_id, billing_period LIMIT $8
@@ -223,7 +223,7 @@ async def _republish(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
         return
     # fresh each run: the producer's `charge:<key>` may still sit in the dedup window
     msg_id = f"reconcile:{key[0]}:{key[1].isoformat()}:{int(time.time())}"
-    seq = await run.publisher.republish(body, msg_id)
+    seq = await run.publisher.republish(body, msg_id, traceparent=row["traceparent"])
     run.report.counts.republished += 1
     detail |= {"stream_seq": seq, "msg_id": msg_id}
     async with run.pool.acquire() as conn, conn.transaction():
