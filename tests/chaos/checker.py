@@ -34,9 +34,10 @@ FATAL = frozenset(
         "poison_escaped",
         "key_param_mismatch",
         "conflict_escaped",
+        "wrong_charge_recorded",
     }
 )
-REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the ledger may forget
+REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the gateway could double
 CONFLICT_REPORTED = "conflict_reported"  # likewise
 _ORDER_ID = re.compile(rb'"order_id":\s*(\d{1,19})[,}]')
 _PERIOD = re.compile(rb'"billing_period":\s*"(\d{4}-\d{2}-\d{2})"')
@@ -158,14 +159,21 @@ def _key_of(body: bytes | None) -> str | None:
     return f"{int(order[1])}:{period[1].decode()}" if order and period else None
 
 
-def judge(entries: list[Entry], facts: Facts, *, ledger_forgets: bool = False) -> Verdict:
-    """Every key's outcome. `ledger_forgets` (a failover lost acknowledged commits): a key
-    charged twice whose extra charges were all refunded is `charged_twice_refunded` (a
-    gateway without idempotency can double; reconcile must repair it), and a conflicting
-    copy that found no row to conflict with and was refused by the gateway (`key_reused`,
-    dead-lettered `rejected`) while the key was charged once, right, is
-    `conflict_reported` (reconcile reports the ledger's mismatch for a person): reported,
-    not fatal."""
+def judge(
+    entries: list[Entry],
+    facts: Facts,
+    *,
+    ledger_forgets: bool = False,
+    doubles_possible: bool = False,
+) -> Verdict:
+    """Every key's outcome. `ledger_forgets` (a failover lost acknowledged commits): a
+    conflicting copy that found no row to conflict with and was refused by the gateway
+    (`key_reused`, dead-lettered `rejected`) while the key was charged once, right, is
+    `conflict_reported` (reconcile reports the ledger's mismatch for a person); and, with
+    `doubles_possible` too (a gateway without idempotency), a key charged twice whose extra
+    charges were all refunded is `charged_twice_refunded` (reconcile must repair it).
+    Reported, not fatal. A key charged once must name, in its row, the charge that holds
+    the money."""
     verdict = Verdict()
     letters_by_key: dict[str, list[Letter]] = defaultdict(list)
     for letter in facts.letters:
@@ -180,7 +188,11 @@ def judge(entries: list[Entry], facts: Facts, *, ledger_forgets: bool = False) -
             continue
         known.add(entry.key)
         outcome, detail = _valid(
-            entry, facts, letters_by_key[entry.key], ledger_forgets=ledger_forgets
+            entry,
+            facts,
+            letters_by_key[entry.key],
+            ledger_forgets=ledger_forgets,
+            doubles_possible=ledger_forgets and doubles_possible,
         )
         verdict.add(entry.key, outcome, detail)
     for key, charges in facts.charges.items():
@@ -225,11 +237,16 @@ def _captured(charge: dict[str, Any]) -> bool:
 
 
 def _valid(
-    entry: Entry, facts: Facts, letters: list[Letter], *, ledger_forgets: bool
+    entry: Entry,
+    facts: Facts,
+    letters: list[Letter],
+    *,
+    ledger_forgets: bool,
+    doubles_possible: bool,
 ) -> tuple[str, str]:
     charges = facts.charges.get(entry.key, [])
     effective = [c for c in charges if _made(c)]
-    held = [c for c in effective if _captured(c)] if ledger_forgets else effective
+    held = [c for c in effective if _captured(c)] if doubles_possible else effective
     if ledger_forgets and _conflict_refused(entry, held, letters):
         return CONFLICT_REPORTED, "the gateway refused the conflicting copy: key_reused"
     if violation := _violation(entry, charges, held, letters):
@@ -238,6 +255,9 @@ def _valid(
     status = row["status"] if row else None
     charged = len(held) == 1
     if SETTLED[entry.expect] == (charged, status):
+        assert row is not None
+        if charged and row["gateway_charge_id"] != held[0]["id"]:
+            return "wrong_charge_recorded", f"ledger {row['gateway_charge_id']}, {_listed(held)}"
         repaired = entry.expect == "charged_once" and len(effective) > 1
         return (REPAIRED_DOUBLE, _listed(effective)) if repaired else (entry.expect, "")
     if (

@@ -168,7 +168,12 @@ async def _attack_and_judge(
         stop_supervisor.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     facts = await checker.gather(system.gateway.url, system.database_url, nc, system.direct_nats)
-    verdict = checker.judge(entries, facts, ledger_forgets=scenario.ledger_forgets)
+    verdict = checker.judge(
+        entries,
+        facts,
+        ledger_forgets=scenario.ledger_forgets,
+        doubles_possible=scenario.gateway.get("idempotency_enabled", True) is False,
+    )
     timings = {
         "worker_restarts": system.restarts,
         "converge_after_faults_s": round(converged, 1),
