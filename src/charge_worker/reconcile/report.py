@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
+from charge_worker.display import printable
+
 Sweep = Literal[
     "forgotten_charges",
     "double_charges",
@@ -183,6 +185,13 @@ def _describe(detail: dict[str, Any]) -> str:
 
 
 def table(report: Report) -> Iterator[str]:
+    """The human summary, a line at a time; what the gateway or a row said is escaped
+    (`display.printable`): a terminal never obeys it."""
+    for line in _table(report):
+        yield printable(line)
+
+
+def _table(report: Report) -> Iterator[str]:
     """The human summary: one line per sweep, then every key each sweep touched."""
     if report.skipped:
         yield f"reconcile did nothing: {report.skipped}"
