@@ -821,6 +821,30 @@ async def _subscription(conn: asyncpg.Connection, order_id: int, amount: int = 9
     )
 
 
+async def test_a_dry_run_tells_what_the_run_does_for_a_key_that_lost_its_row(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """No row, two charges its subscription proves: the run records the earliest and refunds
+    the other; the dry run before it says exactly that, not "for a person"."""
+    await _subscription(conn, 1)
+    made = await charge_id(gateway_sim.url, 1)
+    extra = await charge_id(gateway_sim.url, 1, idempotency_key="a-lost-retry")
+
+    dry = await run_reconcile(settings, dry_run=True)
+    real = await run_reconcile(settings)
+
+    for report, recorded, refunded in (
+        (dry, "would record", "would refund"),
+        (real, "recorded", "refunded"),
+    ):
+        assert [f.action for f in report.findings["forgotten_charges"]] == [f"{recorded} succeeded"]
+        [double] = report.findings["double_charges"]
+        assert (double.action, double.detail["kept"]) == (refunded, made)
+        assert report.findings["unmatched_charges"] == []
+    assert real.counts.refunds == 1
+    assert (await charge_statuses(gateway_sim.url))[extra] == "refunded"
+
+
 async def test_a_charge_whose_ledger_row_was_lost_is_recorded_from_its_subscription(
     settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
 ) -> None:

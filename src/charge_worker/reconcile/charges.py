@@ -109,14 +109,16 @@ async def _decide(run: Sweeper, conn: Db, key: Key, found: list[GatewayCharge]) 
     name, person = idempotency_key(*key), False
     captured = [c for c in found if c.captured]
     row = await conn.fetchrow(_ROW, *key)
+    ledger = _ledger_row(row)
     if row is None:
         with run.each("forgotten_charges", name):
-            person |= await _forgotten(run, conn, key, captured)
-        row = await conn.fetchrow(_ROW, *key)
+            person, recorded_now = await _forgotten(run, conn, key, captured)
+        row = await conn.fetchrow(_ROW, *key)  # a worker's claim meanwhile is the row too
+        ledger = _ledger_row(row) if row is not None else recorded_now
     refunded: list[str] = []
     if len(captured) > 1:
         with run.each("double_charges", name):
-            person |= await _double(run, conn, key, captured, row, refunded=refunded)
+            person |= await _double(run, conn, key, captured, row, ledger=ledger, refunded=refunded)
     if row is not None and row["status"] in proof.SAID_NO:
         left = [c for c in captured if c.id not in refunded]
         with run.each("unrecorded_charges", name):
@@ -133,26 +135,31 @@ async def _decide(run: Sweeper, conn: Db, key: Key, found: list[GatewayCharge]) 
     return person
 
 
-async def _forgotten(run: Sweeper, conn: Db, key: Key, captured: list[GatewayCharge]) -> bool:
+async def _forgotten(
+    run: Sweeper, conn: Db, key: Key, captured: list[GatewayCharge]
+) -> tuple[bool, proof.LedgerRow | None]:
     """Captured charges for a key with no ledger row at all: a database failover forgot
     the producer's row and the worker's claim, and the message was acked. Recorded
     `succeeded` from the key's subscription when the charge matches it (amount, currency,
     customer) and the period is on its schedule, so neither the producer's next run nor a
-    re-published message charges the key again; any other charge is for a person."""
+    re-published message charges the key again; any other charge is for a person.
+    Whether charges are left for a person, and the row recorded (in a dry run: that the
+    run would record, so that the dry run proves the same doubles)."""
     sub = await conn.fetchrow(_SUBSCRIPTION, key[0])
     schedule = sub and (sub["anchor"], sub["billing_interval"], sub["billing_interval_count"])
     if sub is None or not schedule or not on_schedule(schedule[0], key[1], *schedule[1:]):
-        return await _unmatched(run, conn, key, None, captured)
+        return await _unmatched(run, conn, key, None, captured), None
     matching = [c for c in captured if c.fingerprint == sub["fingerprint"]]
     person = await _unmatched(run, conn, key, None, [c for c in captured if c not in matching])
     if not matching:
-        return person
+        return person, None
     charge = matching[0]  # the earliest; a later matching one is a double, refunded next
     detail = {"charge_id": charge.id, "subscription_id": sub["subscription_id"]}
+    recorded = proof.LedgerRow("succeeded", sub["fingerprint"], charge.id)
     if run.dry_run:
         run.settled.add(key)
         run.report.add("forgotten_charges", Finding(*key, "would record succeeded", detail))
-        return person
+        return person, recorded
     due_at = dt.datetime.combine(key[1], dt.time(), dt.UTC)
     fields = (sub["subscription_id"], sub["customer_id"], sub["amount_minor"], sub["currency"])
     async with conn.transaction():
@@ -166,7 +173,7 @@ async def _forgotten(run: Sweeper, conn: Db, key: Key, captured: list[GatewayCha
     run.report.counts.adopted_rows += bool(adopted)
     action = "recorded succeeded" if adopted else "claimed by a worker meanwhile: left alone"
     run.report.add("forgotten_charges", Finding(*key, action, detail))
-    return person
+    return person, recorded
 
 
 async def _double(
@@ -176,13 +183,14 @@ async def _double(
     captured: list[GatewayCharge],
     row: asyncpg.Record | None,
     *,
+    ledger: proof.LedgerRow | None,
     refunded: list[str],
 ) -> bool:
     """More than one charge still captured: keep the one the ledger records (or else the
     earliest matching its row, recorded in an open, unleased row now) and refund the
     other charges that match the row (`Idempotency-Key: refund:<charge id>`; "already" is
-    done). Charges not proven the key's are unmatched."""
-    ledger = _ledger_row(row)
+    done). Charges not proven the key's are unmatched. `ledger` is the row's proof (a dry
+    run's row that would have been recorded, when `row` is None)."""
     sorted_out = proof.doubles(captured, ledger)
     person = await _unmatched(run, conn, key, ledger, sorted_out.unmatched)
     keep, extras = sorted_out.keep, [c.id for c in sorted_out.refund]
