@@ -20,8 +20,6 @@ from tests.support.harness import PERIOD, eventually, provisioned, set_sim, sett
 from tests.support.spans import children, recorded_spans
 from tests.support.webhooks import add_row, event, running_receiver, settled, webhook_settings
 
-PENDING_EDITS = "needs the edits of issue #18's report in webhooks/ and reconcile/"
-
 
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
