@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -58,9 +58,8 @@ def add_trace_ids(
 def configure(cfg: LogSettings) -> None:
     """Route structlog and stdlib logging to stderr in the configured format."""
     level = logging.getLevelNamesMapping()[cfg.log_level.upper()]
-    as_json = cfg.log_format == "json" or (cfg.log_format == "auto" and not sys.stderr.isatty())
     renderer: Processor = (
-        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer() if _json(cfg) else structlog.dev.ConsoleRenderer()
     )
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -93,3 +92,17 @@ def configure(cfg: LogSettings) -> None:
     # their info lines are the libraries' chatter (connections, pools): warnings and up
     root.setLevel(max(level, logging.WARNING))
     logging.captureWarnings(True)
+
+
+def _json(cfg: LogSettings) -> bool:
+    return cfg.log_format == "json" or (cfg.log_format == "auto" and not sys.stderr.isatty())
+
+
+def progress(cfg: LogSettings, logger: str) -> Callable[[str], None]:
+    """Where a long command reports how far it has got: with JSON lines, a `progress` event
+    of `logger` (the line in its `progress` field), so every line of the process parses;
+    else the line itself, on stderr."""
+    if _json(cfg):
+        log = structlog.get_logger(logger)
+        return lambda line: log.info("progress", progress=line)
+    return lambda line: print(line, file=sys.stderr, flush=True)

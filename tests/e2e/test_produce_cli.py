@@ -206,8 +206,9 @@ async def test_progress_goes_to_stderr_and_json_stays_one_object(
     nc: Client, nats_settings: NatsSettings, database_url: str
 ) -> None:
     await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1001)))
+    env = env_for(nats_settings, database_url, CHARGE_WORKER_LOG_FORMAT="console")
 
-    result = await produce("--json", env=env_for(nats_settings, database_url))
+    result = await produce("--json", env=env)
 
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["published"] == 1000
@@ -217,6 +218,26 @@ async def test_progress_goes_to_stderr_and_json_stays_one_object(
         "produce: 1000 charges published",
     ]
     assert len(await stream_messages(nc.jetstream(), nats_settings.stream)) == 1000
+
+
+async def test_with_json_logs_every_line_on_stderr_is_json_progress_included(
+    nats_settings: NatsSettings, database_url: str
+) -> None:
+    await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1001)))
+    env = env_for(nats_settings, database_url, CHARGE_WORKER_LOG_FORMAT="json")
+
+    result = await produce("--json", env=env)
+
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stderr.splitlines()]
+    progress = [line for line in lines if line["event"] == "progress"]
+    assert [line["progress"] for line in progress] == [
+        "produce: 1000 due subscriptions examined",
+        "produce: 1000 charges published",
+    ]
+    assert {(line["level"], line["logger"]) for line in progress} == {
+        ("info", "charge_worker.producer")
+    }
 
 
 async def test_nats_down_fails_in_one_line_after_scheduling(

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from charge_worker.reconcile.report import Counts
 from charge_worker.reconcile.run import LOCK_KEY, reconcile_command, run_reconcile
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import NatsSettings, Settings
+from charge_worker.settings import LogSettings, NatsSettings, Settings
 from tests.support.harness import (
     PERIOD,
     due,
@@ -414,7 +414,7 @@ async def test_history_is_paged_through_to_a_double_charge_on_a_later_page(
     await put_row(conn, 1, "succeeded", charge_id=kept)
 
     code = await reconcile_command(
-        settings,
+        settings.model_copy(update={"log": LogSettings(log_format="console")}),
         since=None,
         dry_run=False,
         as_json=True,

@@ -35,7 +35,7 @@ import click
 import structlog
 from pydantic import ValidationError
 
-from charge_worker import database, privileges, streams, tracing
+from charge_worker import database, logs, privileges, streams, tracing
 from charge_worker.database import translated
 from charge_worker.errors import DependencyUnavailable
 from charge_worker.messages import SCHEMA, ChargeDue
@@ -118,11 +118,11 @@ async def produce_command(settings: Settings, day: dt.date, *, as_json: bool) ->
 
     Exit 0 when every due charge was published or was already settled; 1 if any charge could
     not be published (it stays `scheduled`: a re-run publishes it). Invalid subscriptions and
-    conflicts are reported and skipped, but do not fail the run on their own. Progress goes
-    to stderr every 1000 rows, so `--json` keeps stdout one JSON object.
+    conflicts are reported and skipped, but do not fail the run on their own. Progress is
+    logged every 1000 rows (`logs.progress`), so `--json` keeps stdout one JSON object.
     """
     gc.freeze()  # what start-up loaded lives as long as the run: no collection walks it
-    summary = await produce(settings, day, progress=lambda line: click.echo(line, err=True))
+    summary = await produce(settings, day, progress=logs.progress(settings.log, __package__))
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
     return summary.exit_code
 

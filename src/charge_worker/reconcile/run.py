@@ -30,7 +30,7 @@ from pathlib import Path
 
 import asyncpg
 
-from charge_worker import database, privileges, tracing
+from charge_worker import database, logs, privileges, tracing
 from charge_worker.database import translated
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayCharge, build_gateway
@@ -100,8 +100,9 @@ async def reconcile_command(
     runs fail, and a run skipped for the lock leaves the other run's file alone).
     """
     try:
+        progress = logs.progress(settings.log, __package__)
         report = await run_reconcile(
-            settings, since=since, dry_run=dry_run, full=full, progress=_stderr
+            settings, since=since, dry_run=dry_run, full=full, progress=progress
         )
     except ChargeWorkerError as error:
         _stderr(f"Error: {type(error).__name__}: {_one_line(error)}")
