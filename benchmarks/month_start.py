@@ -2,8 +2,9 @@
 
 Three parts, each on a fresh database and streams:
 
-1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce` as a
-   process, rows per second and its peak RSS;
+1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce
+   --processes 2` (the README's advice for a month start), rows per second and the peak
+   RSS of its largest process;
 2. **drain**: two `charge-worker run` processes drain the backlog while `charge-worker
    reconcile` runs on a short schedule with a short quiet time: no message still queued
    may be re-published; then what each store holds per charge. With `rate_limit`, the
@@ -51,6 +52,7 @@ HISTORY = 1_000_000  # charges in the gateway's history for the steady reconcile
 NEW = 10_000  # charges made since its last run
 RATE_LIMIT = 200.0  # the fleet's gateway rate in the limited drain
 LIMITED_CHARGES = 20_000
+PRODUCE_PROCESSES = 2
 HISTORY_AGE_S = 3600  # the month's history is older than the overlap a later run reads again
 
 
@@ -66,7 +68,8 @@ class Command:
 
 
 async def run_command(settings: Settings, root: Path, *args: str) -> Command:
-    """`charge-worker <args>` with these settings; its wall time and peak RSS (sampled)."""
+    """`charge-worker <args>` with these settings; its wall time and peak RSS (sampled: of
+    its largest process, child processes included)."""
     argv = [sys.executable, "-m", "charge_worker", *args]
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -81,7 +84,8 @@ async def run_command(settings: Settings, root: Path, *args: str) -> Command:
         nonlocal peak
         while True:
             with contextlib.suppress(psutil.Error):
-                peak = max(peak, watched.memory_info().rss)
+                for each in [watched, *watched.children(recursive=True)]:
+                    peak = max(peak, each.memory_info().rss)
             await asyncio.sleep(0.05)
 
     watching = asyncio.create_task(watch())
@@ -275,7 +279,9 @@ async def produce_and_drain(
     settings = settings.model_copy(update={"reconcile": reconcile, "gateway": gateway})
     await _configure_gateway(stack, rate_limit_per_s=rate_limit or None)
     await _subscriptions(url, FIRST_ORDER, charges)
-    produced = await run_command(settings, root, "produce", "--date", PERIOD, "--json")
+    produced = await run_command(
+        settings, root, "produce", "--date", PERIOD, "--processes", str(PRODUCE_PROCESSES), "--json"
+    )
     if produced.returncode != 0:
         raise RuntimeError(f"produce exited {produced.returncode}: {produced.stdout[-500:]}")
     timeline, runs, seconds = await _drain(

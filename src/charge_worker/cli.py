@@ -136,7 +136,26 @@ def run() -> None:
     help="Publish what is due on or before this day (default: today, UTC).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def produce(due_date: dt.datetime | None, as_json: bool) -> None:
+@click.option(
+    "--processes",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Run in this many processes at once (one per core: a month start's run is bound by"
+    " its own CPU).",
+)
+# one process of `--processes N`: its transactions at once, and its share of the ids
+@click.option("--lanes", type=click.IntRange(1, 8), default=2, hidden=True)
+@click.option("--after", default="", hidden=True)
+@click.option("--through", default=None, hidden=True)
+def produce(  # noqa: PLR0917
+    due_date: dt.datetime | None,
+    as_json: bool,
+    processes: int,
+    lanes: int,
+    after: str,
+    through: str | None,
+) -> None:
     """Publish every subscription whose billing day has come to charges.due (a daily CronJob).
 
     Each due charge is first recorded as a `scheduled` row, then published with
@@ -144,10 +163,16 @@ def produce(due_date: dt.datetime | None, as_json: bool) -> None:
     Subscription rows that break the contract are reported and skipped. Exits 1 if any
     charge could not be published (re-run: nothing is published twice that matters).
     """
-    from charge_worker.producer import produce_command  # noqa: PLC0415
+    from charge_worker.producer import Share, produce_command, produce_in_processes  # noqa: PLC0415
 
     day = (due_date or dt.datetime.now(dt.UTC)).date()
-    raise SystemExit(_run(produce_command(_settings(), day, as_json=as_json)))
+    settings = _settings()  # checked here, once, whoever runs the steps
+    if processes > 1:
+        command = produce_in_processes(settings, day, processes, as_json=as_json)
+        raise SystemExit(_run(command))
+    share = Share(after, through)
+    command = produce_command(settings, day, as_json=as_json, lanes=lanes, share=share)
+    raise SystemExit(_run(command))
 
 
 @main.command()

@@ -254,3 +254,58 @@ async def test_nats_down_fails_in_one_line_after_scheduling(
     assert line.startswith("Error: DependencyUnavailable: cannot connect to NATS")
     assert await attempts(database_url) == {"1:2026-12-01": ("scheduled", False)}
     assert (await next_dates(database_url))["sub_1"] == DAY.replace(year=2027, month=1)
+
+
+async def test_processes_share_one_run_and_add_up_its_summary(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    """`--processes 2`: two processes take the due subscriptions between them, only the first
+    publishes what an earlier run left, and the summary is the whole run's."""
+    left = Sub("sub_left", 9999, next_billing_date=DAY.replace(year=2027, month=1))
+    subs = [Sub(f"sub_{n:04}", n) for n in range(1, 1201)]
+    await add_subscriptions(database_url, *subs, Sub("sub_bad", 5000, currency="rub"), left)
+    await add_attempt(database_url, left, "scheduled")  # scheduled, never published
+
+    result = await produce("--json", "--processes", "2", env=env_for(nats_settings, database_url))
+
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert {k: v for k, v in summary.items() if k != "invalid"} == {
+        "day": "2026-12-01",
+        "due": 1201,
+        "scheduled": 1200,
+        "already_scheduled": 0,
+        "already_settled": 0,
+        "published": 1201,
+        "deduplicated": 0,
+        "conflicts": [],
+        "failed": [],
+        "abandoned": 0,
+        "exit_code": 0,
+    }
+    assert [p["subscription_id"] for p in summary["invalid"]] == ["sub_bad"]
+    assert set(await stream_messages(nc.jetstream(), nats_settings.stream)) == {
+        f"charge:{n}:2026-12-01" for n in [*range(1, 1201), 9999]
+    }
+    assert set((await attempts(database_url)).values()) == {("scheduled", True)}
+
+
+async def test_a_process_that_ends_without_a_summary_fails_the_run_in_its_summary(
+    nats_settings: NatsSettings, database_url: str
+) -> None:
+    await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1201)))
+    down = nats_settings.model_copy(update={"url": f"nats://127.0.0.1:{free_port()}"})
+
+    result = await produce("--processes", "2", env=env_for(down, database_url))
+
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 2
+    assert all("cannot connect to NATS" in line for line in errors)
+    lines = result.stdout.splitlines()
+    assert f"  {'failed to publish':<28}{2:>8}" in lines
+    assert lines[-1] == "result: INCOMPLETE, re-run"
+    assert sum("ended with exit status 1 and no summary" in line for line in lines) == 2
+    scheduled = await attempts(database_url)  # each process scheduled its share
+    assert set(scheduled) == {f"{n}:2026-12-01" for n in range(1, 1201)}
+    assert set(scheduled.values()) == {("scheduled", False)}

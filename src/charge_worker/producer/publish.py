@@ -55,6 +55,7 @@ SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, cur
   FROM charge_attempts
  WHERE status = 'scheduled' AND published_at IS NULL
    AND (created_at, billing_period, order_id) > ($1, $2, $3)
+   AND subscription_id > $5 AND ($6::text IS NULL OR subscription_id <= $6)
  ORDER BY created_at, billing_period, order_id
  LIMIT $4
 """
@@ -63,6 +64,7 @@ _UNPUBLISHED_AFTER = """
 SELECT count(*) FROM charge_attempts
  WHERE status = 'scheduled' AND published_at IS NULL
    AND (created_at, billing_period, order_id) > ($1, $2, $3)
+   AND subscription_id > $4 AND ($5::text IS NULL OR subscription_id <= $5)
 """
 
 # Not "still scheduled": a worker may claim the message before this runs, and the row should
@@ -80,6 +82,19 @@ UPDATE charge_attempts AS a
 """
 
 _FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), dt.date.min, 0)
+
+
+@dataclass(frozen=True)
+class Share:
+    """The subscriptions one process of a run takes (`produce --processes`), and the rows
+    earlier runs left unpublished that it publishes: subscription ids after `after` and up
+    to `through` (None: no end), in the database's order. The whole run: all of them."""
+
+    after: str = ""
+    through: str | None = None
+
+
+WHOLE = Share()
 
 
 @dataclass(frozen=True)
@@ -129,15 +144,17 @@ class Publisher:
         self.ticker = Ticker("charges published", progress)
         self.broken = False
 
-    async def publish_leftovers(self, batch_size: int = BATCH) -> None:
-        """Publish every `scheduled` row not published yet, oldest first: what earlier runs
-        left, and rows written by hand (checked against the contract here).
+    async def publish_leftovers(self, batch_size: int = BATCH, share: Share = WHOLE) -> None:
+        """Publish every `scheduled` row of `share` not published yet, oldest first: what
+        earlier runs left, and rows written by hand (checked against the contract here).
 
         A publish that fails for the whole retry horizon ends the step after its window: the
         broker stores nothing, and each further row would wait as long. The rows after it
         are counted as `abandoned`."""
         cursor: tuple[dt.datetime, dt.date, int] = _FIRST
-        while rows := await self.conn.fetch(_UNPUBLISHED, *cursor, batch_size):
+        while rows := await self.conn.fetch(
+            _UNPUBLISHED, *cursor, batch_size, share.after, share.through
+        ):
             outgoing = [
                 Outgoing(ChargeDue.model_validate({"schema": SCHEMA, **dict(r)}), r["traceparent"])
                 for r in rows
@@ -145,7 +162,9 @@ class Publisher:
             last = rows[-1]
             cursor = (last["created_at"], last["billing_period"], last["order_id"])
             if not await self.publish(outgoing):
-                self.summary.abandoned += await self.conn.fetchval(_UNPUBLISHED_AFTER, *cursor)
+                self.summary.abandoned += await self.conn.fetchval(
+                    _UNPUBLISHED_AFTER, *cursor, share.after, share.through
+                )
                 return
 
     async def publish(self, outgoing: list[Outgoing]) -> bool:

@@ -43,8 +43,10 @@ from charge_worker.periods import due_periods
 from charge_worker.producer.publish import (
     BATCH,
     DEFAULT_SUBJECT,
+    WHOLE,
     Outgoing,
     Publisher,
+    Share,
     opened,
 )
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
@@ -59,6 +61,7 @@ SELECT subscription_id, order_id, customer_id, amount_minor, currency, next_bill
        billing_interval_count
   FROM subscriptions
  WHERE active AND next_billing_date <= $1 AND subscription_id > $2
+   AND ($4::text IS NULL OR subscription_id <= $4)
  ORDER BY subscription_id
  LIMIT $3
    FOR UPDATE SKIP LOCKED
@@ -91,7 +94,7 @@ UPDATE subscriptions AS s
 
 Key = tuple[int, dt.date]
 SCHEDULE_BATCH = 5000  # subscriptions per transaction
-LANES = 2  # transactions of one run at once: one is read and locked while another commits
+LANES = 2  # transactions of one process at once: one is read and locked while another commits
 _MESSAGE_FIELDS = ("subscription_id", "order_id", "customer_id", "amount_minor", "currency")
 
 
@@ -113,7 +116,14 @@ class _Plan:
         return self.after_last
 
 
-async def produce_command(settings: Settings, day: dt.date, *, as_json: bool) -> int:
+async def produce_command(
+    settings: Settings,
+    day: dt.date,
+    *,
+    as_json: bool,
+    lanes: int = LANES,
+    share: Share = WHOLE,
+) -> int:
     """`charge-worker produce`: run both steps, print the summary, return the exit status.
 
     Exit 0 when every due charge was published or was already settled; 1 if any charge could
@@ -122,7 +132,13 @@ async def produce_command(settings: Settings, day: dt.date, *, as_json: bool) ->
     logged every 1000 rows (`logs.progress`), so `--json` keeps stdout one JSON object.
     """
     gc.freeze()  # what start-up loaded lives as long as the run: no collection walks it
-    summary = await produce(settings, day, progress=logs.progress(settings.log, __package__))
+    summary = await produce(
+        settings,
+        day,
+        progress=logs.progress(settings.log, __package__),
+        lanes=lanes,
+        share=share,
+    )
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
     return summary.exit_code
 
@@ -133,9 +149,12 @@ async def produce(
     *,
     batch_size: int | None = None,
     progress: Progress | None = None,
+    lanes: int = LANES,
+    share: Share = WHOLE,
 ) -> Summary:
     """Publish what earlier runs left unpublished, then schedule what is due on or before
-    `day`, each batch published as soon as it is committed while the next is scheduled.
+    `day` in `lanes` transactions at once, each batch published as soon as it is committed
+    while the next is scheduled; of the subscriptions in `share` only.
 
     Scheduling needs only PostgreSQL: with NATS down, the run schedules everything, then
     fails, and the next run publishes what this one scheduled.
@@ -156,9 +175,9 @@ async def produce(
             raise
         # the publisher marks on a connection of its own: one statement at a time on each
         publisher = Publisher(await _connect(settings, stack), nc, settings.nats, summary, progress)
-        await publisher.publish_leftovers(batch_size or BATCH)
-        cursor = Cursor(Ticker("due subscriptions examined", progress))
-        conns = [conn] + [await _connect(settings, stack) for _ in range(LANES - 1)]
+        await publisher.publish_leftovers(batch_size or BATCH, share)
+        cursor = Cursor(Ticker("due subscriptions examined", progress), share, share.after)
+        conns = [conn] + [await _connect(settings, stack) for _ in range(lanes - 1)]
         await _all(
             schedule(lane, day, summary, batch_size=batch, publisher=publisher, cursor=cursor)
             for lane in conns
@@ -192,6 +211,7 @@ class Cursor:
     included, exactly as with one lane."""
 
     ticker: Ticker
+    share: Share = WHOLE
     after: str = ""
     done: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -219,7 +239,8 @@ async def schedule(
         while not cursor.done:
             async with conn.transaction():
                 async with cursor.lock:
-                    rows = await conn.fetch(_DUE, day, cursor.after, batch_size)
+                    through = cursor.share.through
+                    rows = await conn.fetch(_DUE, day, cursor.after, batch_size, through)
                     cursor.done = len(rows) < batch_size
                     cursor.after = rows[-1]["subscription_id"] if rows else cursor.after
                 plans = [_plan(row, day, summary) for row in rows]

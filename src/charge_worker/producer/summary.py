@@ -49,6 +49,25 @@ class Summary:
     failed: list[Problem] = field(default_factory=list)
     abandoned: int = 0
 
+    @classmethod
+    def from_json(cls, text: str) -> Summary:
+        """The summary `as_json` printed (`exit_code` is derived, not read)."""
+        document = json.loads(text)
+        document.pop("exit_code", None)
+        document["day"] = dt.date.fromisoformat(document["day"])
+        for name in ("invalid", "conflicts", "failed"):
+            document[name] = [Problem(**problem) for problem in document[name]]
+        return cls(**document)
+
+    def add(self, other: Summary) -> None:
+        """Count another run's figures in: the processes of one run took disjoint
+        subscriptions, so their counts add up."""
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.invalid += other.invalid
+        self.conflicts += other.conflicts
+        self.failed += other.failed
+
     @property
     def exit_code(self) -> int:
         """1 if a due charge was left unpublished; refused rows alone do not fail the run."""
@@ -89,6 +108,9 @@ class Summary:
             )
         out.append("result: " + ("ok" if self.exit_code == 0 else "INCOMPLETE, re-run"))
         return out
+
+
+_COUNTS = tuple(f.name for f in dataclasses.fields(Summary) if f.name != "day" and f.type == "int")
 
 
 def _who(problem: Problem) -> str:
