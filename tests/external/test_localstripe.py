@@ -18,11 +18,13 @@ import pytest
 from nats.aio.client import Client
 from pydantic import SecretStr
 
+from charge_worker.explain import explain_command
 from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings, WebhookSettings
 from tests.external import localstripe_server as ls
 from tests.support.harness import (
+    PERIOD,
     WorkerProcess,
     consumer_idle,
     due,
@@ -98,6 +100,7 @@ async def test_a_batch_on_localstripe_is_charged_once_per_key_through_a_killed_w
     database_url: str,
     stripe_api: ls.Stripe,
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     js = await provisioned(nc, settings)
     conn = await asyncpg.connect(database_url)
@@ -171,6 +174,15 @@ async def test_a_batch_on_localstripe_is_charged_once_per_key_through_a_killed_w
     assert {pi["metadata"]["billing_period"] for pi in intents} == {
         dt.date(2026, 12, 1).isoformat()
     }
+    for order_id in (1, min(DECLINED)):  # explain asks localstripe, as on-call would
+        capsys.readouterr()
+        code = await explain_command(settings, order_id, PERIOD, as_json=False, ask_gateway=True)
+        told = capsys.readouterr().out
+        assert code == 0
+        assert told.startswith(f"charge {order_id}:2026-12-01: {ledger[order_id]}")
+        assert "at the gateway:\n" in told
+        for intent in by_key[str(order_id)]:
+            assert f"  {intent['id']}  " in told
 
 
 async def _ledger(database_url: str) -> dict[int, str]:
