@@ -108,3 +108,34 @@ async def test_quiet_rows_are_republished_several_at_once(
 
     assert [f.key for f in report.findings["lost_messages"]] == [key(1), key(2), key(3)]
     assert report.counts.republished == 3
+
+
+@pytest.mark.parametrize("rate_limit", [0.0, 1000.0])
+async def test_more_keys_than_connections_never_wait_on_each_other(
+    nats_settings: NatsSettings,
+    database_url: str,
+    conn: asyncpg.Connection,
+    gateway_sim: ServedApp,
+    rate_limit: float,
+) -> None:
+    """Each key worked on holds a connection of the pool while the gateway is asked; asking
+    (the customer to ask for, a token of the fleet's rate) must not take a second one, or
+    as many keys as connections wait for ever (a failover's hundreds of forgotten keys hung
+    every run until the CronJob's deadline)."""
+    settings = settings_for(
+        nats_settings,
+        database_url,
+        gateway_sim.url,
+        NO_SCORING,
+        db_pool_max=2,
+        gateway_rate_limit=rate_limit,
+    )
+    made = {}
+    for order_id in (1, 2, 3, 4, 5):  # paid, while the ledger says declined
+        made[order_id] = await charge_id(gateway_sim.url, order_id)
+        await put_row(conn, order_id, "declined", gateway_calls=1)
+
+    report = await asyncio.wait_for(run_reconcile(settings), 60)
+
+    assert report.counts.ledger_repaired == 5
+    assert await ledger(conn) == {n: ("succeeded", made[n]) for n in made}

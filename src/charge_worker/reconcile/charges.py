@@ -92,7 +92,7 @@ async def decide(run: Sweeper, key: Key) -> Reason | None:
     async with run.pool.acquire() as conn:
         found: list[GatewayCharge] | None = None
         with run.each(_sweep(await conn.fetchrow(_ROW, *key)), name):
-            found = await run.lookup(key)
+            found = await run.lookup(key, conn=conn)
         if found is None:
             return "failed"
         for_a_person = await _decide(run, conn, key, found)

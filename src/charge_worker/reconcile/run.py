@@ -185,8 +185,15 @@ async def _run(
                 overlap_s=cfg.reconcile_overlap_s,
             )
             report.mode, report.since, report.until = plan.mode, plan.since, plan.until
-            async with _pool(settings.db) as pool, NatsRepublisher(settings.nats) as publisher:
-                gateway.limiter = RateLimiter(pool, rate_per_s=settings.gateway.gateway_rate_limit)
+            concurrency = min(CONCURRENCY, settings.db.db_pool_max)
+            async with (
+                _pool(settings.db, concurrency) as pool,
+                _pool(settings.db, 1) as tokens,  # keys hold `pool`'s while they wait for one
+                NatsRepublisher(settings.nats) as publisher,
+            ):
+                gateway.limiter = RateLimiter(
+                    tokens, rate_per_s=settings.gateway.gateway_rate_limit
+                )
                 sweeper = Sweeper(
                     conn,
                     pool,
@@ -196,7 +203,7 @@ async def _run(
                     quiet_s=cfg.reconcile_quiet_s,
                     dry_run=dry_run,
                     progress=progress,
-                    concurrency=min(CONCURRENCY, settings.db.db_pool_max),
+                    concurrency=concurrency,
                 )
                 await _sweep(sweeper, plan, window_s=cfg.reconcile_window_s, every=every)
     finally:
@@ -301,13 +308,13 @@ async def _ledger(cfg: DbSettings) -> AsyncIterator[asyncpg.Connection]:
 
 
 @contextlib.asynccontextmanager
-async def _pool(cfg: DbSettings) -> AsyncIterator[asyncpg.Pool]:
-    """The connections keys are worked on from, named as the run's own is."""
+async def _pool(cfg: DbSettings, size: int) -> AsyncIterator[asyncpg.Pool]:
+    """Connections of the run besides its own (opened when first used), named as it is."""
     async with translated("cannot connect to the database"):
         pool = await asyncpg.create_pool(
             cfg.dsn,
             min_size=0,
-            max_size=min(CONCURRENCY, cfg.db_pool_max),
+            max_size=size,
             command_timeout=cfg.db_command_timeout_s,
             server_settings={"application_name": APPLICATION},
             reset=database.keep_session,

@@ -183,13 +183,18 @@ class Sweeper:
         """`work` on every item, `concurrency` at a time."""
         await together(items, work, limit=self.concurrency)
 
-    async def lookup(self, key: Key, customer: str | None = None) -> list[GatewayCharge]:
+    async def lookup(
+        self, key: Key, customer: str | None = None, *, conn: Db | None = None
+    ) -> list[GatewayCharge]:
         """Every charge the gateway holds for the key, counted in the report. Providers
         that list per customer (Stripe) get the key's: the one given, else the row's or the
-        subscription's, else the one the history showed."""
+        subscription's (read on `conn`, the caller's, when it holds one: a second
+        connection per key would let as many keys as the pool has wait for ever), else the
+        one the history showed."""
         self.report.lookups += 1
         if customer is None:
-            customer = await self.pool.fetchval(_CUSTOMER, *key) or self.customers.get(key)
+            found = await (conn or self.pool).fetchval(_CUSTOMER, *key)
+            customer = found or self.customers.get(key)
         return await patiently(self.gateway.lookup, *key, customer_id=customer)
 
     async def refund(self, charge_id: str) -> str:
