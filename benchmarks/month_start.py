@@ -2,9 +2,8 @@
 
 Three parts, each on a fresh database and streams:
 
-1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce
-   --processes 2` (the README's advice for a month start), rows per second and the peak
-   RSS of its largest process;
+1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce` as a
+   process, rows per second and its peak RSS;
 2. **drain**: two `charge-worker run` processes drain the backlog while `charge-worker
    reconcile` runs on a short schedule with a short quiet time: no message still queued
    may be re-published; then what each store holds per charge. With `rate_limit`, the
@@ -52,7 +51,6 @@ HISTORY = 1_000_000  # charges in the gateway's history for the steady reconcile
 NEW = 10_000  # charges made since its last run
 RATE_LIMIT = 200.0  # the fleet's gateway rate in the limited drain
 LIMITED_CHARGES = 20_000
-PRODUCE_PROCESSES = 2
 HISTORY_AGE_S = 3600  # the month's history is older than the overlap a later run reads again
 
 
@@ -68,8 +66,7 @@ class Command:
 
 
 async def run_command(settings: Settings, root: Path, *args: str) -> Command:
-    """`charge-worker <args>` with these settings; its wall time and peak RSS (sampled: of
-    its largest process, child processes included)."""
+    """`charge-worker <args>` with these settings; its wall time and peak RSS (sampled)."""
     argv = [sys.executable, "-m", "charge_worker", *args]
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -84,8 +81,7 @@ async def run_command(settings: Settings, root: Path, *args: str) -> Command:
         nonlocal peak
         while True:
             with contextlib.suppress(psutil.Error):
-                for each in [watched, *watched.children(recursive=True)]:
-                    peak = max(peak, each.memory_info().rss)
+                peak = max(peak, watched.memory_info().rss)
             await asyncio.sleep(0.05)
 
     watching = asyncio.create_task(watch())
@@ -279,9 +275,7 @@ async def produce_and_drain(
     settings = settings.model_copy(update={"reconcile": reconcile, "gateway": gateway})
     await _configure_gateway(stack, rate_limit_per_s=rate_limit or None)
     await _subscriptions(url, FIRST_ORDER, charges)
-    produced = await run_command(
-        settings, root, "produce", "--date", PERIOD, "--processes", str(PRODUCE_PROCESSES), "--json"
-    )
+    produced = await run_command(settings, root, "produce", "--date", PERIOD, "--json")
     if produced.returncode != 0:
         raise RuntimeError(f"produce exited {produced.returncode}: {produced.stdout[-500:]}")
     timeline, runs, seconds = await _drain(

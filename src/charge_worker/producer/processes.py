@@ -13,7 +13,6 @@ stderr as they come; their summaries come back as JSON and are added up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import sys
 
@@ -72,10 +71,12 @@ async def _shares(settings: Settings, day: dt.date, processes: int) -> list[Shar
     """`processes` shares of the subscriptions due on `day`; one share, the whole run, when
     the sample is too small to cut."""
     quantiles = [n / processes for n in range(1, processes)]
-    async with translated("produce"), contextlib.AsyncExitStack() as stack:
-        conn = await database.connect(settings.db, application_name="charge-worker produce")
-        stack.push_async_callback(database.close_quietly, conn)
-        cuts: list[str | None] = await conn.fetchval(_CUTS, day, quantiles, SAMPLE_PERCENT)
+    conn = await database.connect(settings.db, application_name="charge-worker produce")
+    try:
+        async with translated("produce"):
+            cuts: list[str | None] = await conn.fetchval(_CUTS, day, quantiles, SAMPLE_PERCENT)
+    finally:
+        await database.close_quietly(conn)
     if not cuts or None in cuts:
         return [Share()]
     bounds = sorted(set(c for c in cuts if c is not None))
