@@ -37,7 +37,8 @@ FATAL = frozenset(
         "wrong_charge_recorded",
     }
 )
-REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the gateway could double
+REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the ledger forgets and the
+# gateway keeps no idempotency keys
 CONFLICT_REPORTED = "conflict_reported"  # likewise
 _ORDER_ID = re.compile(rb'"order_id":\s*(\d{1,19})[,}]')
 _PERIOD = re.compile(rb'"billing_period":\s*"(\d{4}-\d{2}-\d{2})"')

@@ -845,6 +845,24 @@ async def test_a_dry_run_tells_what_the_run_does_for_a_key_that_lost_its_row(
     assert (await charge_statuses(gateway_sim.url))[extra] == "refunded"
 
 
+async def test_a_lost_row_the_ledger_refuses_to_record_is_reported_and_the_run_goes_on(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """The subscriptions table checks nothing: a customer id longer than the ledger takes
+    makes the adoption fail for that key alone."""
+    too_long = "cus_" + "x" * 80
+    await _subscription(conn, 1)
+    await conn.execute("UPDATE subscriptions SET customer_id = $1 WHERE order_id = 1", too_long)
+    await _subscription(conn, 2)
+    await charge_id(gateway_sim.url, 1, customer=too_long)
+    made = await charge_id(gateway_sim.url, 2)
+
+    report = await run_reconcile(settings)
+
+    assert [(f.sweep, f.key) for f in report.failures] == [("forgotten_charges", key(1))]
+    assert await ledger(conn) == {2: ("succeeded", made)}
+
+
 async def test_a_charge_whose_ledger_row_was_lost_is_recorded_from_its_subscription(
     settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
 ) -> None:

@@ -13,6 +13,7 @@ stderr as they come; their summaries come back as JSON and are added up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import sys
 
@@ -44,9 +45,11 @@ async def produce_in_processes(
     publish: the subscriptions it took stay due for the next run."""
     shares = await _shares(settings, day, processes)
     lanes = 1 if len(shares) > 1 else LANES
-    children = [await _start(day, share, lanes) for share in shares]
+    children: list[asyncio.subprocess.Process] = []
     summary = Summary(day)
     try:
+        for share in shares:
+            children.append(await _start(day, share, lanes))
         for number, child in enumerate(children, start=1):
             out, _ = await child.communicate()
             try:
@@ -61,7 +64,8 @@ async def produce_in_processes(
     finally:
         for child in children:
             if child.returncode is None:  # this one was stopped: so are they
-                child.kill()
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    child.kill()
                 await child.wait()
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
     return summary.exit_code
@@ -79,7 +83,8 @@ async def _shares(settings: Settings, day: dt.date, processes: int) -> list[Shar
         await database.close_quietly(conn)
     if not cuts or None in cuts:
         return [Share()]
-    bounds = sorted(set(c for c in cuts if c is not None))
+    # in the database's order (its collation, not Python's), each once
+    bounds = [cut for cut in dict.fromkeys(cuts) if cut is not None]
     return [
         Share(after, through) for after, through in zip(["", *bounds], [*bounds, None], strict=True)
     ]

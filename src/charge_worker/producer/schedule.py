@@ -164,6 +164,7 @@ async def produce(
     async with translated("produce"), contextlib.AsyncExitStack() as stack:
         conn = await _connect(settings, stack)
         await privileges.require(conn, privileges.PRODUCE)
+        cursor = Cursor(Ticker("due subscriptions examined", progress), share, share.after)
         try:
             nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
             stack.push_async_callback(nc.close)
@@ -171,12 +172,11 @@ async def produce(
             for drift in (await streams.provision(js, settings.nats)).drift:
                 log.warning("streams.drift", detail=str(drift))
         except DependencyUnavailable:
-            await schedule(conn, day, summary, batch_size=batch, progress=progress)
+            await schedule(conn, day, summary, batch_size=batch, cursor=cursor)
             raise
         # the publisher marks on a connection of its own: one statement at a time on each
         publisher = Publisher(await _connect(settings, stack), nc, settings.nats, summary, progress)
         await publisher.publish_leftovers(batch_size or BATCH, share)
-        cursor = Cursor(Ticker("due subscriptions examined", progress), share, share.after)
         conns = [conn] + [await _connect(settings, stack) for _ in range(lanes - 1)]
         await _all(
             schedule(lane, day, summary, batch_size=batch, publisher=publisher, cursor=cursor)

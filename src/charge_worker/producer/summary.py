@@ -110,7 +110,15 @@ class Summary:
         return out
 
 
-_COUNTS = tuple(f.name for f in dataclasses.fields(Summary) if f.name != "day" and f.type == "int")
+_COUNTS = (
+    "due",
+    "scheduled",
+    "already_scheduled",
+    "already_settled",
+    "published",
+    "deduplicated",
+    "abandoned",
+)
 
 
 def _who(problem: Problem) -> str:

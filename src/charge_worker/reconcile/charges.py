@@ -111,6 +111,7 @@ async def _decide(run: Sweeper, conn: Db, key: Key, found: list[GatewayCharge]) 
     row = await conn.fetchrow(_ROW, *key)
     ledger = _ledger_row(row)
     if row is None:
+        recorded_now: proof.LedgerRow | None = None  # stays None when the key fails
         with run.each("forgotten_charges", name):
             person, recorded_now = await _forgotten(run, conn, key, captured)
         row = await conn.fetchrow(_ROW, *key)  # a worker's claim meanwhile is the row too
