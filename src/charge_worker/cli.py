@@ -169,9 +169,9 @@ def produce(  # noqa: PLR0917
     settings = _settings()  # checked here, once, whoever runs the steps
     if processes > 1:
         command = produce_in_processes(settings, day, processes, as_json=as_json)
-        raise SystemExit(_run(command))
-    share = Share(after, through)
-    command = produce_command(settings, day, as_json=as_json, lanes=lanes, share=share)
+    else:
+        share = Share(after, through)
+        command = produce_command(settings, day, as_json=as_json, lanes=lanes, share=share)
     raise SystemExit(_run(command))
 
 

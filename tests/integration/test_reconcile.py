@@ -19,9 +19,10 @@ import asyncpg
 import httpx
 import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from prometheus_client.parser import text_string_to_metric_families
 
-from charge_worker.reconcile.report import Counts
+from charge_worker.reconcile.report import Counts, Report
 from charge_worker.reconcile.run import LOCK_KEY, reconcile_command, run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import LogSettings, NatsSettings, Settings
@@ -456,10 +457,8 @@ async def test_purged_stream_every_due_charge_republished_and_charged_once(
         assert [(f.key, f.action) for f in report.findings["unknown_outcomes"]] == [
             (key(4), "not found: re-publish")
         ]
-        for found in report.findings["lost_messages"]:
-            message = await js.get_msg(settings.nats.stream, found.detail["stream_seq"])
-            assert message.headers is not None
-            assert message.headers["Nats-Msg-Id"].startswith(f"reconcile:{found.key}:")
+        for found_key, headers in (await _republished(js, settings, report)).items():
+            assert headers["Nats-Msg-Id"].startswith(f"reconcile:{found_key}:")
         await eventually(lambda: _all(conn, "succeeded", 4), "every re-published charge settled")
         again = await run_reconcile(settings)
         assert again.counts.republished == 0
@@ -468,15 +467,9 @@ async def test_purged_stream_every_due_charge_republished_and_charged_once(
 
 
 async def test_a_republished_message_carries_the_trace_its_row_names(
-    nc: Client,
-    nats_settings: NatsSettings,
-    database_url: str,
-    conn: asyncpg.Connection,
-    gateway_sim: ServedApp,
-    scoring_sim: ServedApp,
+    nc: Client, settings: Settings, conn: asyncpg.Connection
 ) -> None:
     """Every copy of a charge's message continues the trace its row names, reconcile's too."""
-    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
     js = await provisioned(nc, settings)
     traced = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     await put_row(conn, 1, "scheduled")
@@ -486,12 +479,20 @@ async def test_a_republished_message_carries_the_trace_its_row_names(
     report = await run_reconcile(settings)
 
     assert report.counts.republished == 2
+    headers = await _republished(js, settings, report)
+    assert headers[key(1)]["traceparent"] == traced
+    assert "traceparent" not in headers[key(2)]
+
+
+async def _republished(
+    js: JetStreamContext, settings: Settings, report: Report
+) -> dict[str, dict[str, str]]:
+    """The headers of each message the run re-published, by key."""
     headers = {}
     for found in report.findings["lost_messages"]:
         message = await js.get_msg(settings.nats.stream, found.detail["stream_seq"])
         headers[found.key] = dict(message.headers or {})
-    assert headers[key(1)]["traceparent"] == traced
-    assert "traceparent" not in headers[key(2)]
+    return headers
 
 
 async def _all(conn: asyncpg.Connection, status: str, count: int) -> bool:
