@@ -1,0 +1,98 @@
+"""The producer's batch statements keep sane plans on a ledger as a month start finds it.
+
+In production the ledger holds the months before, published and settled, and the planner's
+statistics say so: hardly any row is unpublished. A statement whose plan trusts that
+estimate while the new month's rows arrive can do work that grows with the product of the
+batch and the table. PostgreSQL plans a prepared statement's first five executions for
+their values, then may keep one generic plan; each statement here runs past that point, and
+every execution must cost at most a few passes over what the tables hold (the rows each
+plan node produced, times its loops, from `EXPLAIN ANALYZE`), whichever plan it got.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import pytest
+
+from charge_worker.producer.publish import _MARKED
+from charge_worker.producer.schedule import _ADVANCE, _EXISTING
+from tests.support.producer import DAY, connected
+
+HISTORY = 20_000  # the previous month, settled and published
+ARRIVING = 5_000  # this month's rows, scheduled and not published yet
+WINDOW = 1_000  # keys per statement, as the producer sends them
+EXECUTIONS = 8  # past PostgreSQL's five custom plans
+
+
+def _rows_processed(node: dict[str, Any]) -> int:
+    own = int(node["Actual Rows"]) * int(node["Actual Loops"])
+    return own + sum(_rows_processed(child) for child in node.get("Plans", []))
+
+
+async def _month_start_ledger(conn: Any) -> None:
+    previous = DAY - dt.timedelta(days=30)
+    await conn.execute(
+        """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+               subscription_id, customer_id, amount_minor, currency, status, gateway_charge_id,
+               published_at, settled_at)
+           SELECT n, $2::date, n || ':' || $2::date, 'sub_' || n, 'cus_' || n, 990, 'RUB',
+                  'succeeded', 'ch_' || n, now(), now()
+             FROM generate_series(1, $1::int) AS n""",
+        HISTORY,
+        previous,
+    )
+    await conn.execute(
+        """INSERT INTO subscriptions (subscription_id, order_id, customer_id, amount_minor,
+               currency, next_billing_date)
+           SELECT 'sub_' || n, n, 'cus_' || n, 990, 'RUB', $2::date
+             FROM generate_series(1, $1::int) AS n""",
+        HISTORY,
+        DAY,
+    )
+    await conn.execute("VACUUM ANALYZE charge_attempts, subscriptions")
+    await conn.execute(
+        """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+               subscription_id, customer_id, amount_minor, currency, status)
+           SELECT n, $2::date, n || ':' || $2::date, 'sub_' || n, 'cus_' || n, 990, 'RUB',
+                  'scheduled'
+             FROM generate_series(1, $1::int) AS n""",
+        ARRIVING,
+        DAY,
+    )
+
+
+_KEYS = (list(range(1, WINDOW + 1)), [DAY] * WINDOW)
+_STATEMENTS = {
+    "mark published": (_MARKED, (*_KEYS, list(range(1, WINDOW + 1)), [None] * WINDOW)),
+    "look up existing": (_EXISTING, _KEYS),
+    "advance subscriptions": (
+        _ADVANCE,
+        (
+            [f"sub_{n}" for n in range(1, WINDOW + 1)],
+            [DAY] * WINDOW,
+            [dt.date(DAY.year + 1, 1, 1)] * WINDOW,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", _STATEMENTS)
+async def test_a_window_costs_a_few_passes_over_the_tables_whatever_plan_is_cached(
+    database_url: str, name: str
+) -> None:
+    statement, args = _STATEMENTS[name]
+    async with connected(database_url) as conn:
+        await _month_start_ledger(conn)
+        explain = await conn.prepare(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}")
+        processed = []
+        for _ in range(EXECUTIONS):
+            transaction = conn.transaction()
+            await transaction.start()
+            (plan,) = json.loads(await explain.fetchval(*args))
+            await transaction.rollback()
+            processed.append(_rows_processed(plan["Plan"]))
+
+    assert max(processed) <= 4 * (HISTORY + ARRIVING + WINDOW), processed
