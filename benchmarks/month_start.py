@@ -2,8 +2,13 @@
 
 Three parts, each on a fresh database and streams:
 
-1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce` as a
-   process, rows per second and its peak RSS;
+1. **produce** `N` due subscriptions (default 100,000): `charge-worker produce
+   --processes 2` as a process, rows per second and its peak RSS. The database is in the
+   state a month start meets in production: the ledger holds the previous month's charges
+   for the same subscriptions, settled and reconciled, and the planner has statistics
+   (`VACUUM ANALYZE`, as autovacuum keeps them). A freshly loaded table without
+   statistics, or an empty ledger's, plans the producer's statements for a state no
+   month start has (docs/performance.md, "Month start");
 2. **drain**: two `charge-worker run` processes drain the backlog while `charge-worker
    reconcile` runs on a short schedule with a short quiet time: no message still queued
    may be re-published; then what each store holds per charge. With `rate_limit`, the
@@ -24,6 +29,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +41,7 @@ import httpx
 import psutil  # type: ignore[import-untyped]  # no stubs installed
 
 from benchmarks.drain import Workers, child_env, worker_settings
+from benchmarks.processes import cpu_seconds
 from benchmarks.stack import Stack
 from benchmarks.stats import percentile
 from charge_worker import streams
@@ -51,6 +58,8 @@ HISTORY = 1_000_000  # charges in the gateway's history for the steady reconcile
 NEW = 10_000  # charges made since its last run
 RATE_LIMIT = 200.0  # the fleet's gateway rate in the limited drain
 LIMITED_CHARGES = 20_000
+PRODUCE_PROCESSES = 2  # `produce --processes`: one per core of the benchmark's machine
+PREVIOUS = "2026-11-01"  # the previous month, settled and reconciled, already in the ledger
 HISTORY_AGE_S = 3600  # the month's history is older than the overlap a later run reads again
 
 
@@ -229,11 +238,53 @@ async def _gateway_stats(stack: Stack) -> dict[str, Any]:
         return await stack.gateway.stats(http)
 
 
-async def _sizes(settings: Settings, charges: int) -> dict[str, float]:
-    """Bytes per charge in each store: the ledger, the story, the charges stream."""
+async def prepare(url: str, charges: int) -> int:
+    """Part 1's database in a month start's state; the ledger's size in bytes."""
+    await _subscriptions(url, FIRST_ORDER, charges)
+    conn = await asyncpg.connect(url)
+    try:
+        await _previous_month(conn, FIRST_ORDER, charges)
+        await conn.execute("VACUUM ANALYZE")
+        return int(await conn.fetchval(_LEDGER_BYTES))
+    finally:
+        await conn.close()
+
+
+async def produce(settings: Settings, root: Path) -> Command:
+    """`produce` run to its end, one process per core."""
+    argv = ("produce", "--date", PERIOD, "--json", "--processes", str(PRODUCE_PROCESSES))
+    produced = await run_command(settings, root, *argv)
+    if produced.returncode != 0:
+        raise RuntimeError(f"produce exited {produced.returncode}: {produced.stdout[-500:]}")
+    return produced
+
+
+async def _previous_month(conn: asyncpg.Connection, first: int, count: int) -> None:
+    """Last month's charges of the same subscriptions: charged, published, reconciled."""
+    await conn.execute(
+        """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+               subscription_id, customer_id, amount_minor, currency, status, gateway_charge_id,
+               gateway_seen_charge_id, attempt, gateway_calls, created_at, updated_at,
+               published_at, settled_at)
+           SELECT n, $3::text::date, n || ':' || $3::text, 'sub_' || n, 'cus_bench_' || (n % 1000),
+                  99000, 'RUB', 'succeeded', 'ch_prev_' || n, 'ch_prev_' || n, 1, 1,
+                  $3::text::date, $3::text::date, $3::text::date, $3::text::date
+             FROM generate_series($1::bigint, $2::bigint) AS n""",
+        first,
+        first + count - 1,
+        PREVIOUS,
+    )
+
+
+_LEDGER_BYTES = "SELECT pg_total_relation_size('charge_attempts')"
+
+
+async def _sizes(settings: Settings, charges: int, ledger_before: int) -> dict[str, float]:
+    """Bytes per charge in each store: the ledger (grown by, past `ledger_before`), the
+    story, the charges stream."""
     conn = await asyncpg.connect(settings.db.dsn)
     try:
-        ledger = await conn.fetchval("SELECT pg_total_relation_size('charge_attempts')")
+        ledger = await conn.fetchval(_LEDGER_BYTES) - ledger_before
         story = await conn.fetchval(
             "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('charge_events')"
         )
@@ -274,10 +325,8 @@ async def produce_and_drain(
     gateway = settings.gateway.model_copy(update={"gateway_rate_limit": rate_limit})
     settings = settings.model_copy(update={"reconcile": reconcile, "gateway": gateway})
     await _configure_gateway(stack, rate_limit_per_s=rate_limit or None)
-    await _subscriptions(url, FIRST_ORDER, charges)
-    produced = await run_command(settings, root, "produce", "--date", PERIOD, "--json")
-    if produced.returncode != 0:
-        raise RuntimeError(f"produce exited {produced.returncode}: {produced.stdout[-500:]}")
+    before = await prepare(url, charges)
+    produced = await produce(settings, root)
     timeline, runs, seconds = await _drain(
         stack, settings, root, log_dir, reconcile_every_s=RECONCILE_EVERY_S
     )
@@ -296,7 +345,7 @@ async def produce_and_drain(
         "gateway_per_s_p50": percentile([float(r) for r in rates], 50) if rates else 0.0,
         "gateway_per_s_max": max(rates, default=0),
         "gateway_429": stats.get("rate_limited", 0),
-        "bytes_per_charge": await _sizes(settings, charges),
+        "bytes_per_charge": await _sizes(settings, charges, before),
         "timeline": asdict(timeline),
     }
     await stack.drop_database(url)
@@ -446,12 +495,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rate-limit", type=float, default=RATE_LIMIT)
     parser.add_argument("--limited-charges", type=int, default=LIMITED_CHARGES)
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
+    parser.add_argument(
+        "--produce-only", action="store_true", help="part 1 alone: how fast `produce` is"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/month_start"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     root = Path(__file__).resolve().parent.parent
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
+
+    if args.produce_only:
+        return _produce_only(args.charges, root, logs, args.nats_cluster)
 
     async def go(stack: Stack) -> MonthStart:
         await stack.prepare()
@@ -474,6 +529,44 @@ def main(argv: list[str]) -> int:
     for part in ("drain", "limited"):
         summary[part] = {k: v for k, v in getattr(result, part).items() if k != "timeline"}
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _produce_only(charges: int, root: Path, logs: Path, nats_cluster: int) -> int:
+    """Part 1 alone, with the CPU per row of `produce` (its processes, reaped) and of the
+    servers during the run."""
+
+    def used(stack: Stack) -> dict[str, float]:
+        groups = stack.pids()
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return {
+            "produce": children.ru_utime + children.ru_stime,
+            **{
+                name: sum(cpu_seconds(pid, with_children=True) for pid in groups[name])
+                for name in ("postgres", "nats-server")
+                if name in groups
+            },
+        }
+
+    async def go(stack: Stack) -> dict[str, float]:
+        await stack.prepare()
+        url = await stack.new_database()
+        await prepare(url, charges)
+        before = used(stack)
+        produced = await produce(worker_settings(stack, url), root)
+        after = used(stack)
+        return {
+            "produce_s": produced.seconds,
+            "produce_rows_per_s": charges / produced.seconds,
+            "produce_peak_rss_mb": produced.peak_rss_mb,
+            **{
+                f"{name} CPU us per row": 1e6 * (after[name] - s) / charges
+                for name, s in before.items()
+            },
+        }
+
+    with Stack(logs, nats_cluster=nats_cluster) as stack:
+        print(json.dumps(asyncio.run(go(stack)), indent=2))
     return 0
 
 
