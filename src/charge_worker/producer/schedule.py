@@ -288,9 +288,11 @@ async def _schedule_batch(
             plan.accepted += 1
     inserted = await _insert(conn, [charge for _, charge in fresh], subject)
     summary.scheduled += len(inserted)
-    keys = {_key(o.charge) for o in inserted}
     # a worker may have recorded a charge meanwhile (its message was published by others)
-    raced = [(plan, c) for plan, c in fresh if _key(c) not in keys]
+    raced: list[tuple[_Plan, ChargeDue]] = []
+    if len(inserted) < len(fresh):
+        keys = {_key(o.charge) for o in inserted}
+        raced = [(plan, c) for plan, c in fresh if _key(c) not in keys]
     again = await _existing(conn, [charge for _, charge in raced])
     for plan, charge in raced:
         if not _recorded(charge, again.get(_key(charge)), summary):
@@ -357,10 +359,11 @@ async def _insert(
         [c.due_at for c in charges],
         traces,
     )
-    keys = {(row["order_id"], row["billing_period"]) for row in rows}
+    everything = len(rows) == len(charges)  # as at a month start: no key looked up
+    keys = set() if everything else {(row["order_id"], row["billing_period"]) for row in rows}
     inserted = []
     for charge, span, trace in zip(charges, created, traces, strict=True):
-        if _key(charge) in keys:  # a key another run recorded first keeps its own trace
+        if everything or _key(charge) in keys:  # a key recorded first elsewhere keeps its trace
             span.end()
             inserted.append(Outgoing(charge, trace))
     return inserted
