@@ -212,6 +212,8 @@ class Cluster:
     proxies: dict[str, Proxy]
     chronicle: Chronicle
     workers: list[WorkerProcess] = field(default_factory=list)
+    # one fault of PostgreSQL's at a time: a pause cannot strike a server being restarted
+    postgres_faults: asyncio.Lock = field(default_factory=asyncio.Lock)
     _restarts: int = 0
 
     @property

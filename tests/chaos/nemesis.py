@@ -44,7 +44,11 @@ async def run(nemesis: Nemesis, cluster: Cluster, rng: random.Random, stop: asyn
             await asyncio.wait_for(stop.wait(), wait)
         if not stop.is_set():
             cluster.chronicle.first_fault = cluster.chronicle.first_fault or time.time()
-            await nemesis.act(cluster, rng)
+            try:
+                await nemesis.act(cluster, rng)
+            except Exception as error:  # the run gathers its nemeses quietly: say it here
+                cluster.chronicle("nemesis", f"{nemesis.name} failed: {error!r}")
+                raise
             cluster.chronicle.attacks[nemesis.name] += 1
         wait = nemesis.period_s * rng.uniform(0.5, 1.5)
 
@@ -69,20 +73,22 @@ async def restart_nats(cluster: Cluster, rng: random.Random) -> None:
 
 async def crash_postgres(cluster: Cluster, rng: random.Random) -> None:
     """Immediate shutdown (SIGQUIT: no checkpoint, crash recovery at start), then start."""
-    cluster.chronicle("nemesis", "postgres immediate stop + start")
-    await asyncio.to_thread(cluster.servers.pg.restart, signal.SIGQUIT)
-    _ended(cluster, "postgres immediate stop")
+    async with cluster.postgres_faults:
+        cluster.chronicle("nemesis", "postgres immediate stop + start")
+        await asyncio.to_thread(cluster.servers.pg.restart, signal.SIGQUIT)
+        _ended(cluster, "postgres immediate stop")
 
 
 async def pause_postgres(cluster: Cluster, rng: random.Random) -> None:
     seconds = rng.uniform(1.0, 4.0)
-    cluster.chronicle("nemesis", f"postgres SIGSTOP for {seconds:.1f}s")
-    cluster.servers.pg.pause()
-    try:
-        await asyncio.sleep(seconds)
-    finally:
-        cluster.servers.pg.resume()
-    _ended(cluster, "postgres SIGSTOP")
+    async with cluster.postgres_faults:  # not between a crash's stop and start
+        cluster.chronicle("nemesis", f"postgres SIGSTOP for {seconds:.1f}s")
+        cluster.servers.pg.pause()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            cluster.servers.pg.resume()
+        _ended(cluster, "postgres SIGSTOP")
 
 
 async def network_fault(cluster: Cluster, rng: random.Random) -> None:
