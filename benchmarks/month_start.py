@@ -75,7 +75,8 @@ class Command:
 
 
 async def run_command(settings: Settings, root: Path, *args: str) -> Command:
-    """`charge-worker <args>` with these settings; its wall time and peak RSS (sampled)."""
+    """`charge-worker <args>` with these settings; its wall time and the peak RSS of its
+    largest process (sampled)."""
     argv = [sys.executable, "-m", "charge_worker", *args]
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -86,11 +87,13 @@ async def run_command(settings: Settings, root: Path, *args: str) -> Command:
     )
     watched, peak = psutil.Process(proc.pid), 0
 
-    async def watch() -> None:
+    async def watch() -> None:  # the largest process: `produce --processes` works in children
         nonlocal peak
         while True:
             with contextlib.suppress(psutil.Error):
-                peak = max(peak, watched.memory_info().rss)
+                for each in [watched, *watched.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        peak = max(peak, each.memory_info().rss)
             await asyncio.sleep(0.05)
 
     watching = asyncio.create_task(watch())
