@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -238,7 +237,8 @@ class ChargeBook:
             start = after + 1
             if self._in_order and query.created_gte is not None:
                 start = max(start, bisect.bisect_left(self._created, query.created_gte))
-            pool = itertools.islice(self.charges, start, None)
+            # by index: islice would walk the list from its start to the cursor
+            pool = (self.charges[i] for i in range(start, len(self.charges)))
         matches: list[Charge] = []
         for charge in pool:
             if (
