@@ -180,8 +180,10 @@ async def _sample(
     """One point of the timeline; True when the work is done."""
     info = await nc.jetstream().consumer_info(settings.nats.stream, settings.nats.durable)
     backlog = (info.num_pending or 0) + (info.num_ack_pending or 0)
-    settled = await conn.fetchval(
-        "SELECT count(*) FROM charge_attempts WHERE status NOT IN ('scheduled', 'pending')"
+    settled = await conn.fetchval(  # this month's: the ledger holds the previous one too
+        "SELECT count(*) FROM charge_attempts"
+        " WHERE billing_period = $1::text::date AND status NOT IN ('scheduled', 'pending')",
+        PERIOD,
     )
     timeline.t.append(time.monotonic() - started)
     timeline.backlog.append(backlog)
