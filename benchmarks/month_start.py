@@ -41,7 +41,7 @@ import httpx
 import psutil  # type: ignore[import-untyped]  # no stubs installed
 
 from benchmarks.drain import Workers, child_env, worker_settings
-from benchmarks.processes import cpu_seconds
+from benchmarks.processes import OTHER, CpuMeter
 from benchmarks.stack import Stack
 from benchmarks.stats import percentile
 from charge_worker import streams
@@ -539,35 +539,29 @@ def main(argv: list[str]) -> int:
 
 def _produce_only(charges: int, root: Path, logs: Path, nats_cluster: int) -> int:
     """Part 1 alone, with the CPU per row of `produce` (its processes, reaped) and of the
-    servers during the run."""
+    servers during the run (`CpuMeter`: other load and stolen time too)."""
 
-    def used(stack: Stack) -> dict[str, float]:
-        groups = stack.pids()
+    def reaped() -> float:
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return {
-            "produce": children.ru_utime + children.ru_stime,
-            **{
-                name: sum(cpu_seconds(pid, with_children=True) for pid in groups[name])
-                for name in ("postgres", "nats-server")
-                if name in groups
-            },
-        }
+        return children.ru_utime + children.ru_stime
 
     async def go(stack: Stack) -> dict[str, float]:
         await stack.prepare()
         url = await stack.new_database()
         await prepare(url, charges)
-        before = used(stack)
+        servers = {k: v for k, v in stack.pids().items() if k in ("postgres", "nats-server")}
+        meter = CpuMeter(servers, frozenset({"postgres"}))  # its backends are children
+        before = reaped()
+        meter.start()
         produced = await produce(worker_settings(stack, url), root)
-        after = used(stack)
+        spent = meter.stop()
+        spent["produce"] = reaped() - before
+        spent[OTHER] = max(spent[OTHER] - spent["produce"], 0.0)  # the meter saw it as other
         return {
             "produce_s": produced.seconds,
             "produce_rows_per_s": charges / produced.seconds,
             "produce_peak_rss_mb": produced.peak_rss_mb,
-            **{
-                f"{name} CPU us per row": 1e6 * (after[name] - s) / charges
-                for name, s in before.items()
-            },
+            **{f"{name} CPU us per row": 1e6 * cpu / charges for name, cpu in spent.items()},
         }
 
     with Stack(logs, nats_cluster=nats_cluster) as stack:

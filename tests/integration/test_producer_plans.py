@@ -16,15 +16,17 @@ import json
 from typing import Any
 
 import pytest
+from benchmarks.month_start import PERIOD, prepare
 
 from charge_worker.producer.publish import _MARKED
 from charge_worker.producer.schedule import _ADVANCE, _EXISTING
-from tests.support.producer import DAY, connected
+from tests.support.producer import connected
 
-HISTORY = 20_000  # the previous month, settled and published
+HISTORY = 20_000  # due subscriptions, and their previous month settled and published
 ARRIVING = 5_000  # this month's rows, scheduled and not published yet
 WINDOW = 1_000  # keys per statement, as the producer sends them
 EXECUTIONS = 8  # past PostgreSQL's five custom plans
+DAY = dt.date.fromisoformat(PERIOD)  # the day the benchmark's subscriptions fall due
 
 
 def _rows_processed(node: dict[str, Any]) -> int:
@@ -32,36 +34,20 @@ def _rows_processed(node: dict[str, Any]) -> int:
     return own + sum(_rows_processed(child) for child in node.get("Plans", []))
 
 
-async def _month_start_ledger(conn: Any) -> None:
-    previous = DAY - dt.timedelta(days=30)
-    await conn.execute(
-        """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
-               subscription_id, customer_id, amount_minor, currency, status, gateway_charge_id,
-               published_at, settled_at)
-           SELECT n, $2::date, n || ':' || $2::date, 'sub_' || n, 'cus_' || n, 990, 'RUB',
-                  'succeeded', 'ch_' || n, now(), now()
-             FROM generate_series(1, $1::int) AS n""",
-        HISTORY,
-        previous,
-    )
-    await conn.execute(
-        """INSERT INTO subscriptions (subscription_id, order_id, customer_id, amount_minor,
-               currency, next_billing_date)
-           SELECT 'sub_' || n, n, 'cus_' || n, 990, 'RUB', $2::date
-             FROM generate_series(1, $1::int) AS n""",
-        HISTORY,
-        DAY,
-    )
-    await conn.execute("VACUUM ANALYZE charge_attempts, subscriptions")
-    await conn.execute(
-        """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
-               subscription_id, customer_id, amount_minor, currency, status)
-           SELECT n, $2::date, n || ':' || $2::date, 'sub_' || n, 'cus_' || n, 990, 'RUB',
-                  'scheduled'
-             FROM generate_series(1, $1::int) AS n""",
-        ARRIVING,
-        DAY,
-    )
+async def _month_start_ledger(database_url: str) -> None:
+    """The benchmark's month start (last month settled and published, statistics taken),
+    and this month's first rows scheduled, not published yet."""
+    await prepare(database_url, HISTORY)
+    async with connected(database_url) as conn:
+        await conn.execute(
+            """INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+                   subscription_id, customer_id, amount_minor, currency, status)
+               SELECT n, $2::date, n || ':' || $2::date, 'sub_' || n, 'cus_' || n, 990, 'RUB',
+                      'scheduled'
+                 FROM generate_series(1, $1::int) AS n""",
+            ARRIVING,
+            DAY,
+        )
 
 
 _KEYS = (list(range(1, WINDOW + 1)), [DAY] * WINDOW)
@@ -84,8 +70,8 @@ async def test_a_window_costs_a_few_passes_over_the_tables_whatever_plan_is_cach
     database_url: str, name: str
 ) -> None:
     statement, args = _STATEMENTS[name]
+    await _month_start_ledger(database_url)
     async with connected(database_url) as conn:
-        await _month_start_ledger(conn)
         explain = await conn.prepare(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}")
         processed = []
         for _ in range(EXECUTIONS):
