@@ -11,14 +11,16 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
+from collections.abc import Awaitable, Callable
 
 import pytest
+from asyncpg import Connection
 from nats.aio.client import Client
-from nats.js.api import DiscardPolicy
+from nats.js.api import DiscardPolicy, PubAck
 
 from charge_worker import events, streams
 from charge_worker.messages import parse
-from charge_worker.producer.publish import WINDOW, publish_scheduled
+from charge_worker.producer.publish import WINDOW, Outgoing, Publisher, publish_scheduled
 from charge_worker.producer.schedule import produce, schedule
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.sandbox.serve import ServedApp
@@ -36,6 +38,9 @@ from tests.support.producer import (
     next_dates,
     stream_messages,
 )
+
+NEXT = dt.date(2027, 1, 1)
+Then = Callable[[list[Outgoing]], Awaitable[None]]
 
 
 @pytest.fixture
@@ -257,6 +262,83 @@ async def test_a_crash_between_the_steps_loses_nothing(
     assert set(messages) == {"charge:1:2026-12-01", "charge:2:2026-12-01", "charge:9:2026-12-01"}
     by_hand = parse(messages["charge:9:2026-12-01"])  # its missing due_at: the period's midnight
     assert by_hand.due_at == dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+
+
+class _Interrupted(Publisher):
+    """A publisher after whose publishes `then` happens, inside the scheduling transaction:
+    a worker claiming the message, or the run dying."""
+
+    def __init__(
+        self, conn: Connection, nc: Client, cfg: NatsSettings, summary: Summary, then: Then
+    ) -> None:
+        super().__init__(conn, nc, cfg, summary)
+        self.then = then
+
+    async def send(self, outgoing: list[Outgoing]) -> list[PubAck | None]:
+        acks = await super().send(outgoing)
+        await self.then(outgoing)
+        return acks
+
+
+async def test_a_run_dying_after_its_publish_leaves_a_message_the_worker_charges_once(
+    nc: Client, worker_settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    """Messages go out inside the batch's transaction, before its rows: a run dying there
+    leaves messages whose rows rolled back. The worker records and charges them; the next
+    run finds them recorded and moves the subscriptions on."""
+    await add_subscriptions(database_url, Sub("sub_a", 1), Sub("sub_b", 2))
+    await streams.provision(nc.jetstream(), worker_settings.nats)
+
+    async def dies(outgoing: list[Outgoing]) -> None:
+        raise RuntimeError("the run dies")
+
+    summary = Summary(DAY)
+    async with connected(database_url) as conn:
+        publisher = _Interrupted(conn, nc, worker_settings.nats, summary, dies)
+        with pytest.raises(RuntimeError):
+            await schedule(conn, DAY, summary, publisher=publisher)
+
+    assert await attempts(database_url) == {}
+    assert await next_dates(database_url) == {"sub_a": DAY, "sub_b": DAY}
+    keys = keys_of((1, "2026-12-01"), (2, "2026-12-01"))
+    messages = await stream_messages(nc.jetstream(), worker_settings.nats.stream)
+    assert set(messages) == {f"charge:{key}" for key in keys}
+    async with running_worker(worker_settings):
+        await eventually(all_final(database_url, 2), "both charges settled")
+
+    after = await produce(worker_settings, DAY)
+
+    assert (after.due, after.scheduled, after.already_settled, after.published) == (2, 0, 2, 0)
+    assert await next_dates(database_url) == {"sub_a": NEXT, "sub_b": NEXT}
+    assert await gateway_charges(gateway_sim.url) == dict.fromkeys(keys, 1)
+
+
+async def test_a_key_a_worker_records_while_its_message_is_published_is_counted_and_marked(
+    nc: Client, settings: Settings, database_url: str
+) -> None:
+    """A worker may claim a message before the producer's insert of its row: the insert
+    finds the key taken, the run counts it as already scheduled, and marks the worker's row
+    published with the message's sequence all the same."""
+    await add_subscriptions(database_url, Sub("sub_a", 1), Sub("sub_b", 2))
+    await streams.provision(nc.jetstream(), settings.nats)
+
+    async def claimed(outgoing: list[Outgoing]) -> None:
+        await add_attempt(database_url, Sub("sub_a", 1), "pending")
+
+    summary = Summary(DAY)
+    async with connected(database_url) as conn:
+        publisher = _Interrupted(conn, nc, settings.nats, summary, claimed)
+        await schedule(conn, DAY, summary, publisher=publisher)
+        rows = await conn.fetch(
+            "SELECT order_id, status, published_at >= created_at AS after, published_seq"
+            "  FROM charge_attempts ORDER BY order_id"
+        )
+
+    assert (summary.scheduled, summary.already_scheduled, summary.published) == (1, 1, 2)
+    assert await next_dates(database_url) == {"sub_a": NEXT, "sub_b": NEXT}
+    info = await nc.jetstream().stream_info(settings.nats.stream)
+    assert [tuple(row) for row in rows] == [(1, "pending", True, 1), (2, "scheduled", True, 2)]
+    assert info.state.messages == 2
 
 
 async def test_a_cron_run_twice_charges_once(

@@ -76,7 +76,7 @@ SELECT count(*) FROM charge_attempts
 # month's rows once per key of the window (tests/integration/test_producer_plans.py).
 _MARKED = """
 UPDATE charge_attempts AS a
-   SET published_at = coalesce(a.published_at, now()),
+   SET published_at = coalesce(a.published_at, statement_timestamp()),
        published_seq = CASE WHEN a.published_at IS NULL THEN p.seq ELSE a.published_seq END,
        traceparent = coalesce(a.traceparent, p.traceparent)
   FROM unnest($1::bigint[], $2::date[], $3::bigint[], $4::text[])
@@ -140,7 +140,6 @@ class Publisher:
         progress: Progress | None = None,
     ) -> None:
         self.conn = conn
-        self.marking = asyncio.Lock()  # lanes publish at once; `conn` marks one at a time
         self.nc = nc
         self.cfg = cfg
         self.summary = summary
@@ -171,55 +170,84 @@ class Publisher:
                 return
 
     async def publish(self, outgoing: list[Outgoing]) -> bool:
-        """Publish the batch; False when the broker failed (now or before)."""
-        for start in range(0, len(outgoing), WINDOW):
-            window = outgoing[start : start + WINDOW]
-            if self.broken:
-                self.summary.abandoned += len(window)
-                continue
-            acked, failed = await _publish_window(self, window)
-            for ack in acked:
-                if ack.duplicate:
+        """Publish the batch and mark the acked rows; False when the broker failed (now or
+        before). An unexpected error is raised once its window's acked rows are marked."""
+        for window in _windows(_traced(outgoing, self.cfg.subject)):
+            acks, error = await self._send(window)
+            await mark_published(self.conn, window, acks)
+            if error is not None:
+                raise error
+        return not self.broken
+
+    async def send(self, outgoing: list[Outgoing]) -> list[PubAck | None]:
+        """Publish the charges, marking nothing: each one's ack, None where it has none (it
+        failed, or came after a failure). The caller records the acks with the rows."""
+        acks: list[PubAck | None] = []
+        for window in _windows(outgoing):
+            answers, error = await self._send(window)
+            if error is not None:
+                raise error
+            acks += answers
+        return acks
+
+    async def _send(
+        self, window: list[Outgoing]
+    ) -> tuple[list[PubAck | None], BaseException | None]:
+        """Publish one window and count it: each charge's ack (or None), and the first error
+        that is not the broker's failure to store."""
+        if self.broken:
+            self.summary.abandoned += len(window)
+            return [None] * len(window), None
+        acks: list[PubAck | None] = []
+        error: BaseException | None = None
+        for o, answer in zip(window, await _publish_window(self.nc, self.cfg, window), strict=True):
+            if isinstance(answer, PubAck):
+                acks.append(answer)
+                if answer.duplicate:
                     self.summary.deduplicated += 1
                 else:
                     self.summary.published += 1
-            self.ticker.tick(len(acked))
-            if failed:
-                self.summary.failed += failed
+                continue
+            acks.append(None)
+            if isinstance(answer, DependencyUnavailable):
+                self.summary.failed.append(
+                    Problem(o.charge.subscription_id, o.charge.key, str(answer))
+                )
                 self.broken = True
-        return not self.broken
+            elif error is None:
+                error = answer
+        self.ticker.tick(sum(ack is not None for ack in acks))
+        return acks, error
+
+
+def _windows(outgoing: list[Outgoing]) -> list[list[Outgoing]]:
+    return [outgoing[start : start + WINDOW] for start in range(0, len(outgoing), WINDOW)]
 
 
 async def _publish_window(
-    publisher: Publisher, outgoing: list[Outgoing]
-) -> tuple[list[PubAck], list[Problem]]:
-    """Publish the charges together and mark the acked ones: their acks, and what could not
-    be stored. Any other error is raised once the acked rows are marked.
-
-    Each message carries its row's `traceparent`; a row scheduled with tracing off gets
-    its trace opened now, with tracing on. Each publish is a `send` span in that trace."""
-    cfg = publisher.cfg
+    nc: NATS, cfg: NatsSettings, outgoing: list[Outgoing]
+) -> list[PubAck | BaseException]:
+    """Publish the charges together: each one's ack, or why it has none. Each message
+    carries its charge's `traceparent`; each publish is a `send` span in that trace."""
     charges = [o.charge for o in outgoing]
-    traces = [o.traceparent or _open_now(o.charge, cfg.subject) for o in outgoing]
-    sends = [_sending(c, trace, cfg.subject) for c, trace in zip(charges, traces, strict=True)]
-    headers = [_headers(c, trace) for c, trace in zip(charges, traces, strict=True)]
-    answers = await _publish_all(publisher.nc, cfg, charges, headers)
+    headers = [_headers(o.charge, o.traceparent) for o in outgoing]
+    if not tracing.enabled():
+        return await _publish_all(nc, cfg, charges, headers)
+    sends = [_sending(o.charge, o.traceparent, cfg.subject) for o in outgoing]
+    answers = await _publish_all(nc, cfg, charges, headers)
     for span, answer in zip(sends, answers, strict=True):
         _sent(span, answer)
-    acked = [
-        (c, a, trace)
-        for c, a, trace in zip(charges, answers, traces, strict=True)
-        if isinstance(a, PubAck)
+    return answers
+
+
+def _traced(outgoing: list[Outgoing], subject: str) -> list[Outgoing]:
+    """The charges, each with a trace: a row scheduled with tracing off gets its trace
+    opened now, with tracing on."""
+    if not tracing.enabled():
+        return outgoing
+    return [
+        o if o.traceparent else Outgoing(o.charge, _open_now(o.charge, subject)) for o in outgoing
     ]
-    async with publisher.marking:
-        await _mark_published(publisher.conn, acked)
-    failed = []
-    for charge, answer in zip(charges, answers, strict=True):
-        if isinstance(answer, DependencyUnavailable):
-            failed.append(Problem(charge.subscription_id, charge.key, str(answer)))
-        elif isinstance(answer, BaseException):
-            raise answer
-    return [ack for _, ack, _ in acked], failed
 
 
 async def _publish_all(
@@ -292,18 +320,19 @@ class _Acks:
                 self.all_in.set()
 
 
-async def _mark_published(
-    conn: asyncpg.Connection, acked: list[tuple[ChargeDue, PubAck, str | None]]
+async def mark_published(
+    conn: asyncpg.Connection, outgoing: list[Outgoing], acks: list[PubAck | None]
 ) -> None:
     """Set `published_at`, the stream sequence and the trace (if the row names none) on the
-    acked rows."""
+    rows of the acked charges."""
+    acked = [(o, ack) for o, ack in zip(outgoing, acks, strict=True) if ack is not None]
     if acked:
         await conn.execute(
             _MARKED,
-            [c.order_id for c, _, _ in acked],
-            [c.billing_period for c, _, _ in acked],
-            [a.seq for _, a, _ in acked],
-            [t for *_, t in acked],
+            [o.charge.order_id for o, _ in acked],
+            [o.charge.billing_period for o, _ in acked],
+            [ack.seq for _, ack in acked],
+            [o.traceparent for o, _ in acked],
         )
 
 

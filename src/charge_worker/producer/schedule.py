@@ -33,6 +33,7 @@ from typing import Any
 import asyncpg
 import click
 import structlog
+from nats.js.api import PubAck
 from pydantic import ValidationError
 
 from charge_worker import database, logs, privileges, streams, tracing
@@ -47,6 +48,7 @@ from charge_worker.producer.publish import (
     Outgoing,
     Publisher,
     Share,
+    mark_published,
     opened,
 )
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
@@ -72,13 +74,17 @@ SELECT order_id, billing_period, status, fingerprint FROM charge_attempts
  WHERE (order_id, billing_period) IN (SELECT * FROM unnest($1::bigint[], $2::date[]))
 """
 
-# One statement for the whole batch. The row is the charge's `scheduled` event too (events.py).
+# One statement for the whole batch. The row is the charge's `scheduled` event too, and its
+# `published` event when its message was stored before the insert (events.py).
 _SCHEDULE = """
 INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
-                             customer_id, amount_minor, currency, due_at, traceparent, status)
-SELECT *, 'scheduled'
+                             customer_id, amount_minor, currency, due_at, traceparent,
+                             published_seq, published_at, status)
+SELECT *, CASE WHEN seq IS NOT NULL THEN statement_timestamp() END, 'scheduled'
   FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[], $6::bigint[],
-              $7::text[], $8::timestamptz[], $9::text[])
+              $7::text[], $8::timestamptz[], $9::text[], $10::bigint[])
+       AS t(order_id, billing_period, idempotency_key, subscription_id, customer_id,
+            amount_minor, currency, due_at, traceparent, seq)
 ON CONFLICT DO NOTHING
 RETURNING order_id, billing_period
 """
@@ -174,8 +180,7 @@ async def produce(
         except DependencyUnavailable:
             await schedule(conn, day, summary, batch_size=batch, cursor=cursor)
             raise
-        # the publisher marks on a connection of its own: one statement at a time on each
-        publisher = Publisher(await _connect(settings, stack), nc, settings.nats, summary, progress)
+        publisher = Publisher(conn, nc, settings.nats, summary, progress)
         await publisher.publish_leftovers(batch_size or BATCH, share)
         conns = [conn] + [await _connect(settings, stack) for _ in range(lanes - 1)]
         await _all(
@@ -234,27 +239,17 @@ async def schedule(
     on connections of their own share a `cursor`."""
     cursor = cursor or Cursor(Ticker("due subscriptions examined", progress))
     subject = publisher.cfg.subject if publisher else DEFAULT_SUBJECT
-    publishing: asyncio.Task[bool] | None = None  # the previous batch's, while this one runs
-    try:
-        while not cursor.done:
-            async with conn.transaction():
-                async with cursor.lock:
-                    through = cursor.share.through
-                    rows = await conn.fetch(_DUE, day, cursor.after, batch_size, through)
-                    cursor.done = len(rows) < batch_size
-                    cursor.after = rows[-1]["subscription_id"] if rows else cursor.after
-                plans = [_plan(row, day, summary) for row in rows]
-                recorded = await _schedule_batch(conn, plans, summary, subject)
-            summary.due += len(rows)
-            cursor.ticker.tick(len(rows))
-            if publishing is not None:
-                await publishing
-                publishing = None
-            if publisher is not None and recorded:
-                publishing = asyncio.create_task(publisher.publish(recorded))
-    finally:
-        if publishing is not None:
-            await publishing
+    while not cursor.done:
+        async with conn.transaction():
+            async with cursor.lock:
+                through = cursor.share.through
+                rows = await conn.fetch(_DUE, day, cursor.after, batch_size, through)
+                cursor.done = len(rows) < batch_size
+                cursor.after = rows[-1]["subscription_id"] if rows else cursor.after
+                cursor.ticker.tick(len(rows))
+            plans = [_plan(row, day, summary) for row in rows]
+            await _schedule_batch(conn, plans, summary, subject, publisher)
+        summary.due += len(rows)
 
 
 def _plan(row: asyncpg.Record, day: dt.date, summary: Summary) -> _Plan:
@@ -272,10 +267,15 @@ def _plan(row: asyncpg.Record, day: dt.date, summary: Summary) -> _Plan:
 
 
 async def _schedule_batch(
-    conn: asyncpg.Connection, plans: list[_Plan], summary: Summary, subject: str
-) -> list[Outgoing]:
-    """Insert the batch's new charges; count the recorded ones; stop each subscription at
-    its first conflict; advance each past what it has recorded. The charges inserted."""
+    conn: asyncpg.Connection,
+    plans: list[_Plan],
+    summary: Summary,
+    subject: str,
+    publisher: Publisher | None,
+) -> None:
+    """Publish the batch's new charges, then insert them with what their acks say; count the
+    recorded ones; stop each subscription at its first conflict; advance each past what it
+    has recorded."""
     existing = await _existing(conn, [c for plan in plans for c in plan.charges])
     fresh: list[tuple[_Plan, ChargeDue]] = []
     for plan in plans:
@@ -286,17 +286,33 @@ async def _schedule_batch(
             elif not _recorded(charge, found, summary):
                 break
             plan.accepted += 1
-    inserted = await _insert(conn, [charge for _, charge in fresh], subject)
-    summary.scheduled += len(inserted)
-    # a worker may have recorded a charge meanwhile (its message was published by others)
-    raced: list[tuple[_Plan, ChargeDue]] = []
-    if len(inserted) < len(fresh):
-        keys = {_key(o.charge) for o in inserted}
-        raced = [(plan, c) for plan, c in fresh if _key(c) not in keys]
-    again = await _existing(conn, [charge for _, charge in raced])
-    for plan, charge in raced:
-        if not _recorded(charge, again.get(_key(charge)), summary):
+    created = [opened(charge, subject) for _, charge in fresh]
+    outgoing = [
+        Outgoing(charge, tracing.traceparent_of(span))
+        for (_, charge), span in zip(fresh, created, strict=True)
+    ]
+    acks: list[PubAck | None] = [None] * len(outgoing)
+    if publisher is not None:
+        acks = await publisher.send(outgoing)
+    inserted = await _insert(conn, outgoing, acks)
+    summary.scheduled += len(outgoing) if inserted is None else len(inserted)
+    # a worker may have recorded a charge meanwhile (from this message, or another's)
+    raced = [
+        i for i, o in enumerate(outgoing) if inserted is not None and _key(o.charge) not in inserted
+    ]
+    again = await _existing(conn, [outgoing[i].charge for i in raced])
+    recorded = []
+    for i in raced:
+        plan, charge = fresh[i]
+        if _recorded(charge, again.get(_key(charge)), summary):
+            recorded.append(i)
+        else:
             plan.accepted = min(plan.accepted, plan.charges.index(charge))
+    await mark_published(conn, [outgoing[i] for i in recorded], [acks[i] for i in recorded])
+    kept = set(raced)  # a key recorded first elsewhere keeps its trace
+    for i, span in enumerate(created):
+        if i not in kept:
+            span.end()
     moved = [plan for plan in plans if plan.next_date != plan.read_date]
     await conn.execute(
         _ADVANCE,
@@ -304,7 +320,6 @@ async def _schedule_batch(
         [plan.read_date for plan in moved],
         [plan.next_date for plan in moved],
     )
-    return inserted
 
 
 def _key(charge: ChargeDue) -> Key:
@@ -339,14 +354,14 @@ def _recorded(charge: ChargeDue, found: asyncpg.Record | None, summary: Summary)
 
 
 async def _insert(
-    conn: asyncpg.Connection, charges: list[ChargeDue], subject: str
-) -> list[Outgoing]:
-    """Record the charges as `scheduled`, with the traces they open; the charges actually
-    inserted, with their traces."""
-    if not charges:
-        return []
-    created = [opened(charge, subject) for charge in charges]
-    traces = [tracing.traceparent_of(span) for span in created]
+    conn: asyncpg.Connection, outgoing: list[Outgoing], acks: list[PubAck | None]
+) -> set[Key] | None:
+    """Record the charges as `scheduled`, with their traces, and as published where they
+    were acked: the keys inserted, or None when every charge was (as at a month start: no
+    key set built)."""
+    if not outgoing:
+        return None
+    charges = [o.charge for o in outgoing]
     rows = await conn.fetch(
         _SCHEDULE,
         [c.order_id for c in charges],
@@ -357,16 +372,12 @@ async def _insert(
         [c.amount_minor for c in charges],
         [c.currency for c in charges],
         [c.due_at for c in charges],
-        traces,
+        [o.traceparent for o in outgoing],
+        [ack.seq if ack is not None else None for ack in acks],
     )
-    everything = len(rows) == len(charges)  # as at a month start: no key looked up
-    keys = set() if everything else {(row["order_id"], row["billing_period"]) for row in rows}
-    inserted = []
-    for charge, span, trace in zip(charges, created, traces, strict=True):
-        if everything or _key(charge) in keys:  # a key recorded first elsewhere keeps its trace
-            span.end()
-            inserted.append(Outgoing(charge, trace))
-    return inserted
+    if len(rows) == len(charges):
+        return None
+    return {(row["order_id"], row["billing_period"]) for row in rows}
 
 
 def _charge(row: asyncpg.Record, period: dt.date) -> ChargeDue:
