@@ -463,6 +463,28 @@ async def test_a_failure_past_the_first_window_keeps_what_was_acked(
     assert rows == 0  # the ledger rows tell the producer's steps: no event row per charge
 
 
+async def test_a_message_is_stored_in_the_configured_stream_or_not_at_all(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    """Another stream holding the subject refuses the messages (each names the stream it
+    is meant for): nothing is counted as published, nothing is stored elsewhere."""
+    cfg = nats_settings.model_copy(update={"publish_retry_horizon_s": 0.3})
+    js = nc.jetstream()
+    other = dataclasses.replace(streams.charges_stream(cfg), name=f"{cfg.stream}_OTHER")
+    await js.add_stream(other)
+    await add_subscriptions(database_url, Sub("sub_1", 1), Sub("sub_2", 2))
+
+    summary = Summary(DAY)
+    async with connected(database_url) as conn:
+        await schedule(conn, DAY, summary, publisher=Publisher(conn, nc, cfg, summary))
+
+    assert (summary.scheduled, summary.published, len(summary.failed)) == (2, 0, 2)
+    assert await attempts(database_url) == dict.fromkeys(
+        keys_of((1, "2026-12-01"), (2, "2026-12-01")), ("scheduled", False)
+    )
+    assert (await js.stream_info(other.name)).state.messages == 0
+
+
 async def test_a_lost_connection_fails_at_once_and_leaves_the_rest_scheduled(
     nats_settings: NatsSettings, database_url: str
 ) -> None:

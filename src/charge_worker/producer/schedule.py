@@ -1,21 +1,30 @@
-"""Due subscriptions -> `scheduled` rows in `charge_attempts` -> `charges.due` (a daily CronJob).
+"""Due subscriptions -> `charges.due` and `scheduled` rows in `charge_attempts` (a daily CronJob).
 
-A transactional outbox in two steps, so that a crash anywhere, and any re-run, lose nothing
-and publish nothing twice that matters:
+One transaction per batch of due subscriptions, so that a crash anywhere, and any re-run,
+lose nothing and charge nothing twice:
 
-1. **schedule** (here), one transaction per batch: lock due subscriptions (`FOR UPDATE
-   SKIP LOCKED`, so a concurrent run takes others), record one `scheduled` row per due
-   period (`ON CONFLICT DO NOTHING`) and move `next_billing_date` past the day (periods
-   follow the subscription's anchor and interval: `charge_worker.periods`). A few
-   statements per batch of thousands, whatever its size. With tracing on, each charge
-   recorded opens its trace (`tracing`): the row keeps its `traceparent`, and every copy
-   of its message carries it.
-   A subscription that breaks contracts/charge-due.md, or whose key is recorded with
-   another amount, currency or customer, is reported and left where it is.
-2. **publish** (`publish.py`): every `scheduled` row not published yet, this run's or
-   an earlier one's, with `Nats-Msg-Id: charge:<order_id>:<billing_period>`. JetStream
-   drops a re-publish inside its duplicate window; after it, the worker's claim on
-   `charge_attempts` absorbs it.
+1. lock the batch's due subscriptions (`FOR UPDATE SKIP LOCKED`, so a concurrent run takes
+   others) and work out their due periods (the subscription's anchor and interval:
+   `charge_worker.periods`). A subscription that breaks contracts/charge-due.md, or whose
+   key is recorded with another amount, currency or customer, is reported and left where
+   it is.
+2. publish the charges not recorded yet (`publish.py`), each with `Nats-Msg-Id:
+   charge:<order_id>:<billing_period>`, and await their acks;
+3. record one `scheduled` row per charge (`ON CONFLICT DO NOTHING`), published with its
+   stream sequence where it was acked, and move `next_billing_date` past the day; commit.
+
+A few statements per batch of thousands, whatever its size. With tracing on, each charge
+opens its trace (`tracing`): the row keeps its `traceparent`, and every copy of its message
+carries it.
+
+A message may precede its row, and outlive it: a run that dies between steps 2 and 3 leaves
+messages whose rows rolled back and subscriptions not moved on. The worker records a
+message's row when it claims it (as it does for any producer's), and the next run finds the
+key recorded, counts it, and moves the subscription on; if it comes first, it publishes
+again and JetStream drops the copy inside its duplicate window (after it, the worker's
+claim absorbs it). A charge whose publish failed is recorded unpublished, and the next run
+publishes it first (`Publisher.publish_leftovers`). Scheduling needs only PostgreSQL: with
+NATS down the run records everything unpublished, then fails.
 
 Driver errors become `DependencyUnavailable` (database.translated), keeping `__cause__`.
 """
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import gc
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -101,7 +111,6 @@ UPDATE subscriptions AS s
 Key = tuple[int, dt.date]
 SCHEDULE_BATCH = 5000  # subscriptions per transaction
 LANES = 2  # transactions of one process at once: one is read and locked while another commits
-_MESSAGE_FIELDS = ("subscription_id", "order_id", "customer_id", "amount_minor", "currency")
 
 
 @dataclass
@@ -158,9 +167,9 @@ async def produce(
     lanes: int = LANES,
     share: Share = WHOLE,
 ) -> Summary:
-    """Publish what earlier runs left unpublished, then schedule what is due on or before
-    `day` in `lanes` transactions at once, each batch published as soon as it is committed
-    while the next is scheduled; of the subscriptions in `share` only.
+    """Publish what earlier runs left unpublished, then schedule and publish what is due on
+    or before `day` in `lanes` transactions at once (one publishes while another reads and
+    writes); of the subscriptions in `share` only.
 
     Scheduling needs only PostgreSQL: with NATS down, the run schedules everything, then
     fails, and the next run publishes what this one scheduled.
@@ -232,11 +241,12 @@ async def schedule(
     publisher: Publisher | None = None,
     cursor: Cursor | None = None,
 ) -> None:
-    """Step 1: record every charge due on or before `day` as `scheduled`, a batch of
-    subscriptions per transaction, four statements per batch whatever its size, and hand
-    each committed batch's new charges to `publisher`. With tracing on, each charge
-    recorded opens its trace (`create <subject>`), kept in its row. Lanes running at once
-    on connections of their own share a `cursor`."""
+    """Record every charge due on or before `day` as `scheduled`, a batch of subscriptions
+    per transaction, four statements per batch whatever its size; with a `publisher`, each
+    batch's new charges are published inside its transaction and recorded published.
+    Without one, they are recorded unpublished. With tracing on, each charge recorded opens
+    its trace (`create <subject>`), kept in its row. Lanes running at once on connections of
+    their own share a `cursor`."""
     cursor = cursor or Cursor(Ticker("due subscriptions examined", progress))
     subject = publisher.cfg.subject if publisher else DEFAULT_SUBJECT
     while not cursor.done:
@@ -286,11 +296,10 @@ async def _schedule_batch(
             elif not _recorded(charge, found, summary):
                 break
             plan.accepted += 1
-    created = [opened(charge, subject) for _, charge in fresh]
-    outgoing = [
-        Outgoing(charge, tracing.traceparent_of(span))
-        for (_, charge), span in zip(fresh, created, strict=True)
-    ]
+    charges = [charge for _, charge in fresh]
+    created = [opened(charge, subject) for charge in charges] if tracing.enabled() else []
+    traces = [tracing.traceparent_of(span) for span in created] or [None] * len(charges)
+    outgoing = [Outgoing(charge, trace) for charge, trace in zip(charges, traces, strict=True)]
     acks: list[PubAck | None] = [None] * len(outgoing)
     if publisher is not None:
         acks = await publisher.send(outgoing)
@@ -382,11 +391,25 @@ async def _insert(
 
 def _charge(row: asyncpg.Record, period: dt.date) -> ChargeDue:
     """The charge.due/v1 message for one period of a subscription; the contract validates."""
-    due_at = dt.datetime.combine(period, dt.time(), dt.UTC)
-    fields = {name: row[name] for name in _MESSAGE_FIELDS}
     return ChargeDue.model_validate(
-        {"schema": SCHEMA, **fields, "billing_period": period, "due_at": due_at}
+        {
+            "schema": SCHEMA,
+            "subscription_id": row["subscription_id"],
+            "order_id": row["order_id"],
+            "customer_id": row["customer_id"],
+            "amount_minor": row["amount_minor"],
+            "currency": row["currency"],
+            "billing_period": period,
+            "due_at": _midnight(period),
+        }
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _midnight(period: dt.date) -> dt.datetime:
+    """When a period's charge is due: its first moment, UTC (a month start's charges share
+    a handful of periods)."""
+    return dt.datetime.combine(period, dt.time(), dt.UTC)
 
 
 def _reason(error: ValidationError) -> str:
