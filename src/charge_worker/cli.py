@@ -144,22 +144,20 @@ def run() -> None:
     help="Run in this many processes at once (one per core: a month start's run is bound by"
     " its own CPU).",
 )
-# one process of `--processes N`: its transactions at once, and its share of the ids
-@click.option("--lanes", type=click.IntRange(1, 8), default=2, hidden=True)
+# one process of `--processes N`: its share of the ids
 @click.option("--after", default="", hidden=True)
 @click.option("--through", default=None, hidden=True)
-def produce(  # noqa: PLR0917
+def produce(
     due_date: dt.datetime | None,
     as_json: bool,
     processes: int,
-    lanes: int,
     after: str,
     through: str | None,
 ) -> None:
     """Publish every subscription whose billing day has come to charges.due (a daily CronJob).
 
-    Each due charge is first recorded as a `scheduled` row, then published with
-    Nats-Msg-Id charge:<order_id>:<billing_period>. Safe to run twice, or twice at once.
+    Each due charge is published with Nats-Msg-Id charge:<order_id>:<billing_period> and
+    recorded as a `scheduled` row in one transaction. Safe to run twice, or twice at once.
     Subscription rows that break the contract are reported and skipped. Exits 1 if any
     charge could not be published (re-run: nothing is published twice that matters).
     """
@@ -171,7 +169,7 @@ def produce(  # noqa: PLR0917
         command = produce_in_processes(settings, day, processes, as_json=as_json)
     else:
         share = Share(after, through)
-        command = produce_command(settings, day, as_json=as_json, lanes=lanes, share=share)
+        command = produce_command(settings, day, as_json=as_json, share=share)
     raise SystemExit(_run(command))
 
 

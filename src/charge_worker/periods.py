@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import calendar
 import datetime as dt
+import functools
 from typing import Literal
 
 Interval = Literal["month", "year"]
@@ -21,6 +22,7 @@ def _months(interval: Interval, count: int) -> int:
     return count * (12 if interval == "year" else 1)
 
 
+@functools.lru_cache(maxsize=4096)  # a month start's subscriptions share few anchors
 def on_anchor(anchor: dt.date, months_after: int) -> dt.date:
     """The anchor's day, `months_after` months after the anchor's month, clamped to the
     month's last day."""

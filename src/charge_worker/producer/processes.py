@@ -22,7 +22,6 @@ import click
 from charge_worker import database
 from charge_worker.database import translated
 from charge_worker.producer.publish import Share
-from charge_worker.producer.schedule import LANES
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.settings import Settings
 
@@ -44,12 +43,11 @@ async def produce_in_processes(
     that ends without a summary (its one-line error is above) is counted as a failure to
     publish: the subscriptions it took stay due for the next run."""
     shares = await _shares(settings, day, processes)
-    lanes = 1 if len(shares) > 1 else LANES
     children: list[asyncio.subprocess.Process] = []
     summary = Summary(day)
     try:
         for share in shares:
-            children.append(await _start(day, share, lanes))
+            children.append(await _start(day, share))
         for number, child in enumerate(children, start=1):
             out, _ = await child.communicate()
             try:
@@ -90,8 +88,8 @@ async def _shares(settings: Settings, day: dt.date, processes: int) -> list[Shar
     ]
 
 
-async def _start(day: dt.date, share: Share, lanes: int) -> asyncio.subprocess.Process:
-    argv = ["produce", "--date", day.isoformat(), "--json", "--lanes", str(lanes)]
+async def _start(day: dt.date, share: Share) -> asyncio.subprocess.Process:
+    argv = ["produce", "--date", day.isoformat(), "--json"]
     argv += ["--after", share.after]
     if share.through is not None:
         argv += ["--through", share.through]

@@ -110,7 +110,7 @@ UPDATE subscriptions AS s
 
 Key = tuple[int, dt.date]
 SCHEDULE_BATCH = 5000  # subscriptions per transaction
-LANES = 2  # transactions of one process at once: one is read and locked while another commits
+LANES = 2  # transactions of one process at once: one waits for its acks while another works
 
 
 @dataclass
@@ -136,10 +136,9 @@ async def produce_command(
     day: dt.date,
     *,
     as_json: bool,
-    lanes: int = LANES,
     share: Share = WHOLE,
 ) -> int:
-    """`charge-worker produce`: run both steps, print the summary, return the exit status.
+    """`charge-worker produce`: run it, print the summary, return the exit status.
 
     Exit 0 when every due charge was published or was already settled; 1 if any charge could
     not be published (it stays `scheduled`: a re-run publishes it). Invalid subscriptions and
@@ -151,7 +150,6 @@ async def produce_command(
         settings,
         day,
         progress=logs.progress(settings.log, __package__),
-        lanes=lanes,
         share=share,
     )
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
