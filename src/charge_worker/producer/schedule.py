@@ -100,12 +100,16 @@ RETURNING order_id, billing_period
 """
 
 # Guarded by the date each row was read with; the anchor is fixed on the first advance.
+# The batch's range of ids ($4, $5: its first and last, in the database's order) keeps the
+# plan to the batch: planned for thousands of keys, a hash join over the whole table looked
+# cheaper than a lookup per key (tests/integration/test_producer_plans.py).
 _ADVANCE = """
 UPDATE subscriptions AS s
    SET billing_anchor = coalesce(s.billing_anchor, s.next_billing_date),
        next_billing_date = t.next_date, updated_at = now()
   FROM unnest($1::text[], $2::date[], $3::date[]) AS t(subscription_id, read_date, next_date)
  WHERE s.subscription_id = t.subscription_id AND s.next_billing_date = t.read_date
+   AND s.subscription_id BETWEEN $4 AND $5
 """
 
 Key = tuple[int, dt.date]
@@ -321,12 +325,15 @@ async def _schedule_batch(
         if i not in kept:
             span.end()
     moved = [plan for plan in plans if plan.next_date != plan.read_date]
-    await conn.execute(
-        _ADVANCE,
-        [plan.subscription_id for plan in moved],
-        [plan.read_date for plan in moved],
-        [plan.next_date for plan in moved],
-    )
+    if moved:
+        await conn.execute(
+            _ADVANCE,
+            [plan.subscription_id for plan in moved],
+            [plan.read_date for plan in moved],
+            [plan.next_date for plan in moved],
+            moved[0].subscription_id,
+            moved[-1].subscription_id,
+        )
 
 
 def _key(charge: ChargeDue) -> Key:
