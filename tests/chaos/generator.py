@@ -1,12 +1,13 @@
 """What the chaos run means to charge, written down before anything is published (the oracle).
 
 Valid charges go the production way: one `subscriptions` row each, then `charge-worker
-produce` (the outbox: `scheduled` ledger rows, then `charges.due`), so reconcile can recover
-a message the broker lost. On top, as an external producer would, the generator publishes
-directly: identical re-publishes (same `Nats-Msg-Id`, dropped by JetStream), the same key
-under a new `Nats-Msg-Id` (absorbed by the claim), conflicting duplicates (same key, another
-amount: dead-lettered `conflict`) and poison (dead-lettered `poison`). Customer ids pick the
-outcome: `cus_decline…` is declined by the gateway, `cus_block…` blocked by scoring.
+produce` (`charges.due` and `scheduled` ledger rows, one transaction per batch), so
+reconcile can recover a message the broker lost. On top, as an external producer would, the
+generator publishes directly: identical re-publishes (same `Nats-Msg-Id`, dropped by
+JetStream), the same key under a new `Nats-Msg-Id` (absorbed by the claim), conflicting
+duplicates (same key, another amount: dead-lettered `conflict`) and poison (dead-lettered
+`poison`). Customer ids pick the outcome: `cus_decline…` is declined by the gateway,
+`cus_block…` blocked by scoring.
 """
 
 from __future__ import annotations
