@@ -3,11 +3,11 @@
 One process keeps one core busy with its own Python, and PostgreSQL and nats-server another
 only in part: a month start's million due charges wait on the producer's CPU. Runs at once
 have always been safe (each locks the subscriptions it takes, `FOR UPDATE SKIP LOCKED`, and
-publishes what it scheduled), so the N processes are N runs of one transaction at a time,
-started together, each on its own `Share` of the due subscriptions: a range of ids cut at
-quantiles of a sample, so the shares are about equal, none reads what another refused, and
-none publishes as left over what another has just scheduled. Their progress lines go to
-stderr as they come; their summaries come back as JSON and are added up.
+publishes what it scheduled), so the N processes are N runs started together, each on its
+own `Share` of the due subscriptions: a range of ids cut at quantiles of a sample, so the
+shares are about equal, none reads what another refused, and none publishes as left over
+what another has just scheduled. Their progress lines go to stderr as they come; their
+summaries come back as JSON and are added up.
 """
 
 from __future__ import annotations

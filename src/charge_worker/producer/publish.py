@@ -127,8 +127,8 @@ async def publish_scheduled(
 
 
 class Publisher:
-    """Publishes batches of charges a window at a time, marking the acked rows on `conn`;
-    the lanes of a run share it.
+    """Publishes batches of charges a window at a time, for the lanes of a run (`send`) and
+    for what earlier runs left (`publish`, which marks the acked rows on `conn`).
 
     After a window whose publishes failed for the whole retry horizon it publishes nothing
     more: the failures are counted as `failed`, every charge handed to it afterwards as
