@@ -305,12 +305,9 @@ async def _schedule_batch(
     acks: list[PubAck | None] = [None] * len(outgoing)
     if publisher is not None:
         acks = await publisher.send(outgoing)
-    inserted = await _insert(conn, outgoing, acks)
-    summary.scheduled += len(outgoing) if inserted is None else len(inserted)
     # a worker may have recorded a charge meanwhile (from this message, or another's)
-    raced = [
-        i for i, o in enumerate(outgoing) if inserted is not None and _key(o.charge) not in inserted
-    ]
+    raced = await _insert(conn, outgoing, acks)
+    summary.scheduled += len(outgoing) - len(raced)
     again = await _existing(conn, [outgoing[i].charge for i in raced])
     recorded = []
     for i in raced:
@@ -369,12 +366,12 @@ def _recorded(charge: ChargeDue, found: asyncpg.Record | None, summary: Summary)
 
 async def _insert(
     conn: asyncpg.Connection, outgoing: list[Outgoing], acks: list[PubAck | None]
-) -> set[Key] | None:
+) -> list[int]:
     """Record the charges as `scheduled`, with their traces, and as published where they
-    were acked: the keys inserted, or None when every charge was (as at a month start: no
-    key set built)."""
+    were acked: the positions of those whose key was recorded first elsewhere (none at a
+    month start, where no key set is built)."""
     if not outgoing:
-        return None
+        return []
     charges = [o.charge for o in outgoing]
     rows = await conn.fetch(
         _SCHEDULE,
@@ -390,8 +387,9 @@ async def _insert(
         [ack.seq if ack is not None else None for ack in acks],
     )
     if len(rows) == len(charges):
-        return None
-    return {(row["order_id"], row["billing_period"]) for row in rows}
+        return []
+    inserted = {(row["order_id"], row["billing_period"]) for row in rows}
+    return [i for i, charge in enumerate(charges) if _key(charge) not in inserted]
 
 
 def _charge(row: asyncpg.Record, period: dt.date) -> ChargeDue:
