@@ -44,6 +44,8 @@ from charge_worker.settings import NatsSettings
 
 DEFAULT_SUBJECT = "charges.due"
 _NOT_A_NAME = re.compile(r"\s|^$")  # a subject or stream that would break a protocol line
+# a stream's usual answer to a publish, read without a JSON parser (anything else is parsed)
+_STORED = re.compile(rb'\{"stream":"([^"\\]+)","seq":(\d+)(,"duplicate":true)?\}')
 BATCH = 5000  # rows per read
 WINDOW = 1000  # publishes awaiting their acks at once
 PUBLISH_TIMEOUT_S = 5.0
@@ -301,17 +303,27 @@ class _Acks:
     async def on_reply(self, msg: Msg) -> None:
         try:
             i = int(msg.subject.rpartition(".")[2])
-            answer = json.loads(msg.data)
-            if "error" in answer:  # refused: it may name the stream all the same
-                return
-            ack = PubAck(answer["stream"], answer["seq"], duplicate=answer.get("duplicate"))
+            ack = _ack(msg.data)
         except (ValueError, KeyError, TypeError):  # no stream answered (a 503 status)
+            return
+        if ack is None:
             return
         if 0 <= i < len(self.acks) and self.acks[i] is None:
             self.acks[i] = ack
             self.waiting -= 1
             if self.waiting == 0:
                 self.all_in.set()
+
+
+def _ack(data: bytes) -> PubAck | None:
+    """The stream's ack in a reply; None when it refused the message (its answer may name
+    the stream all the same). Raises when no stream answered (an empty 503 status)."""
+    if stored := _STORED.fullmatch(data):
+        return PubAck(stored[1].decode(), int(stored[2]), duplicate=True if stored[3] else None)
+    answer = json.loads(data)
+    if "error" in answer:
+        return None
+    return PubAck(answer["stream"], answer["seq"], duplicate=answer.get("duplicate"))
 
 
 def _commands(cfg: NatsSettings, inbox: str, outgoing: list[Outgoing]) -> bytes:

@@ -85,18 +85,31 @@ SELECT order_id, billing_period, status, fingerprint FROM charge_attempts
 """
 
 # One statement for the whole batch. The row is the charge's `scheduled` event too, and its
-# `published` event when its message was stored before the insert (events.py).
+# `published` event when its message was stored before the insert (events.py). A charge is
+# due at its period's first moment, UTC (`_midnight`, the contract's default). It answers
+# with the positions (from 1) of the keys recorded first elsewhere: NULL, and nothing read
+# again, when every row went in (a month start).
 _SCHEDULE = """
-INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
-                             customer_id, amount_minor, currency, due_at, traceparent,
-                             published_seq, published_at, status)
-SELECT *, CASE WHEN seq IS NOT NULL THEN statement_timestamp() END, 'scheduled'
-  FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[], $6::bigint[],
-              $7::text[], $8::timestamptz[], $9::text[], $10::bigint[])
-       AS t(order_id, billing_period, idempotency_key, subscription_id, customer_id,
-            amount_minor, currency, due_at, traceparent, seq)
-ON CONFLICT DO NOTHING
-RETURNING order_id, billing_period
+WITH batch AS (
+    SELECT * FROM unnest($1::bigint[], $2::date[], $3::text[], $4::text[], $5::text[],
+                         $6::bigint[], $7::text[], $8::text[], $9::bigint[])
+           WITH ORDINALITY AS t(order_id, billing_period, idempotency_key, subscription_id,
+                                customer_id, amount_minor, currency, traceparent, seq, i)
+), inserted AS (
+    INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,
+                                 customer_id, amount_minor, currency, due_at, traceparent,
+                                 published_seq, published_at, status)
+    SELECT order_id, billing_period, idempotency_key, subscription_id, customer_id,
+           amount_minor, currency, billing_period::timestamp AT TIME ZONE 'UTC', traceparent,
+           seq, CASE WHEN seq IS NOT NULL THEN statement_timestamp() END, 'scheduled'
+      FROM batch
+    ON CONFLICT DO NOTHING
+    RETURNING order_id, billing_period
+)
+SELECT array_agg(i) FROM batch AS b
+ WHERE (SELECT count(*) FROM inserted) < cardinality($1::bigint[])
+   AND NOT EXISTS (SELECT 1 FROM inserted AS n
+                    WHERE n.order_id = b.order_id AND n.billing_period = b.billing_period)
 """
 
 # Guarded by the date each row was read with; the anchor is fixed on the first advance.
@@ -373,7 +386,7 @@ async def _insert(
     if not outgoing:
         return []
     charges = [o.charge for o in outgoing]
-    rows = await conn.fetch(
+    raced: list[int] | None = await conn.fetchval(
         _SCHEDULE,
         [c.order_id for c in charges],
         [c.billing_period for c in charges],
@@ -382,14 +395,10 @@ async def _insert(
         [c.customer_id for c in charges],
         [c.amount_minor for c in charges],
         [c.currency for c in charges],
-        [c.due_at for c in charges],
         [o.traceparent for o in outgoing],
         [ack.seq if ack is not None else None for ack in acks],
     )
-    if len(rows) == len(charges):
-        return []
-    inserted = {(row["order_id"], row["billing_period"]) for row in rows}
-    return [i for i, charge in enumerate(charges) if _key(charge) not in inserted]
+    return sorted(i - 1 for i in raced or ())
 
 
 def _charge(row: asyncpg.Record, period: dt.date) -> ChargeDue:
