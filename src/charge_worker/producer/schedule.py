@@ -67,16 +67,20 @@ from charge_worker.settings import Settings
 log = structlog.get_logger(__name__)
 
 # Keyset on subscription_id: a row refused in this run is not taken again by the next batch.
+# With each subscription, the ledger's row for its first due period (next_billing_date),
+# if any: at a month start the batch's only keys, so nothing is looked up again.
 _DUE = """
-SELECT subscription_id, order_id, customer_id, amount_minor, currency, next_billing_date,
-       coalesce(billing_anchor, next_billing_date) AS anchor, billing_interval,
-       billing_interval_count
-  FROM subscriptions
- WHERE active AND next_billing_date <= $1 AND subscription_id > $2
-   AND ($4::text IS NULL OR subscription_id <= $4)
- ORDER BY subscription_id
+SELECT s.subscription_id, s.order_id, s.customer_id, s.amount_minor, s.currency,
+       s.next_billing_date, coalesce(s.billing_anchor, s.next_billing_date) AS anchor,
+       s.billing_interval, s.billing_interval_count, c.status, c.fingerprint
+  FROM subscriptions AS s
+  LEFT JOIN charge_attempts AS c
+         ON c.order_id = s.order_id AND c.billing_period = s.next_billing_date
+ WHERE s.active AND s.next_billing_date <= $1 AND s.subscription_id > $2
+   AND ($4::text IS NULL OR s.subscription_id <= $4)
+ ORDER BY s.subscription_id
  LIMIT $3
-   FOR UPDATE SKIP LOCKED
+   FOR UPDATE OF s SKIP LOCKED
 """
 
 _EXISTING = """
@@ -138,6 +142,7 @@ class _Plan:
     read_date: dt.date
     charges: list[ChargeDue]
     after_last: dt.date  # the period after the last due one
+    first: asyncpg.Record | None = None  # the ledger's row for the first charge, read with it
     accepted: int = 0  # charges recorded (now or before) in order, up to the first conflict
 
     @property
@@ -288,7 +293,8 @@ def _plan(row: asyncpg.Record, day: dt.date, summary: Summary) -> _Plan:
     except ValidationError as error:
         summary.invalid.append(Problem(row["subscription_id"], None, _reason(error)))
         return _Plan(row["subscription_id"], read, [], read)
-    return _Plan(row["subscription_id"], read, charges, after_last)
+    first = row if charges and row["status"] is not None else None
+    return _Plan(row["subscription_id"], read, charges, after_last, first)
 
 
 async def _schedule_batch(
@@ -301,7 +307,9 @@ async def _schedule_batch(
     """Publish the batch's new charges, then insert them with what their acks say; count the
     recorded ones; stop each subscription at its first conflict; advance each past what it
     has recorded."""
-    existing = await _existing(conn, [c for plan in plans for c in plan.charges])
+    later = [c for plan in plans for c in plan.charges[1:]]  # a subscription catching up
+    first = {_key(p.charges[0]): p.first for p in plans if p.first is not None}
+    existing = first | await _existing(conn, later)
     fresh: list[tuple[_Plan, ChargeDue]] = []
     for plan in plans:
         for charge in plan.charges:
