@@ -46,7 +46,6 @@ PACKAGES = (
     "pydantic-settings",
     "structlog",
     "prometheus-client",
-    "pybreaker",
     "uvicorn",
     "starlette",
     "psutil",

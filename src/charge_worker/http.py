@@ -2,20 +2,18 @@
 probes every long-running command serves (`/metrics`, `/healthz`, `/readyz`).
 
 httpx's API over aiohttp's transport: httpx's default transport spends several times more
-client CPU per local request (see the benchmark issue). pybreaker has no native asyncio, so
-a call is `with breaker.calling(): await ...` under a hard total deadline
-(`asyncio.timeout`), because `httpx.Timeout` bounds each phase, not the whole call.
+client CPU per local request (see the benchmark issue). A call is `with breaker: await ...`
+under a hard total deadline (`asyncio.timeout`), because `httpx.Timeout` bounds each phase,
+not the whole call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
-import pybreaker
 import uvicorn
 from httpx_aiohttp import AiohttpTransport
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -24,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from charge_worker.breaker import Breaker
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown, SettingsError
 
 WEDGED_AFTER_S = 60.0  # a loop that has not turned for this long fails /healthz
@@ -50,31 +49,20 @@ def build_client(
     )
 
 
-def build_breaker(name: str, *, fail_max: int, reset_s: float) -> pybreaker.CircuitBreaker:
+def build_breaker(name: str, *, fail_max: int, reset_s: float) -> Breaker:
     """A breaker that counts only failures of the dependency itself.
 
     A decline, a 409, a 429 or the dependency's own rejection of a request is the
     dependency working; an unknown outcome, an unreachable dependency, or a request it did
     not accept at all (wrong credentials, a wrong path, a proxy's bare 4xx: raised as
-    `DependencyUnavailable`) is not. The original error is raised even on the call that
-    trips the breaker, so its classification survives.
+    `DependencyUnavailable`) is not.
     """
-    return pybreaker.CircuitBreaker(
+    return Breaker(
+        name,
         fail_max=fail_max,
-        reset_timeout=reset_s,
-        exclude=[lambda error: not isinstance(error, OutcomeUnknown | DependencyUnavailable)],
-        name=name,
-        throw_new_error_on_trip=False,
+        reset_s=reset_s,
+        counts=lambda error: isinstance(error, OutcomeUnknown | DependencyUnavailable),
     )
-
-
-def open_for_s(breaker: pybreaker.CircuitBreaker) -> float:
-    """Seconds until an open breaker half-opens (0 when it is not open)."""
-    opened_at = breaker._state_storage.opened_at  # pybreaker exposes no getter
-    if breaker.current_state != pybreaker.STATE_OPEN or opened_at is None:
-        return 0.0
-    left = opened_at + dt.timedelta(seconds=breaker.reset_timeout) - dt.datetime.now(dt.UTC)
-    return max(left.total_seconds(), 0.0)
 
 
 def probes_app(

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import httpx
-import pybreaker
 
 from charge_worker import tracing
+from charge_worker.breaker import BreakerOpen
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
-from charge_worker.http import build_breaker, build_client, open_for_s
+from charge_worker.http import build_breaker, build_client
 from charge_worker.settings import ScoringSettings, require
 
 
@@ -57,9 +57,9 @@ class ScoringClient:
     def available(self) -> bool:
         """Closed, or open long enough that the next call is the half-open probe.
 
-        pybreaker only half-opens on a call: a caller that waited for "closed" would wait
+        The breaker half-opens only on a call: a caller that waited for "closed" would wait
         forever once nothing else calls (the deferred checks after the peak)."""
-        return open_for_s(self.breaker) == 0.0
+        return self.breaker.open_for_s() == 0.0
 
     async def score(
         self,
@@ -102,9 +102,9 @@ class ScoringClient:
         }
         headers = {"traceparent": traceparent} if traceparent else None
         try:
-            with self.breaker.calling():
+            with self.breaker:
                 return await self._call(body, headers)
-        except pybreaker.CircuitBreakerError:
+        except BreakerOpen:
             return ScoringFailure("scoring breaker open")
         except (OutcomeUnknown, DependencyUnavailable) as error:
             return ScoringFailure(str(error))

@@ -304,7 +304,7 @@ async def test_scoring_down_defers_then_a_late_block_marks_the_charge_for_review
     scoring_sim: ServedApp,
 ) -> None:
     # the breaker opens during the outage; once nothing but the checks calls scoring, their
-    # loop must still probe it closed (pybreaker half-opens only on a call), and the checks
+    # loop must still probe it closed (the breaker half-opens only on a call), and the checks
     # a failed round took must come due at the next round, not a whole batch's timeout later
     settings = settings_for(
         nats_settings,

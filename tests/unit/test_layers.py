@@ -15,7 +15,16 @@ import pytest
 import charge_worker
 
 ROOT = Path(charge_worker.__file__).parent
-FLOOR = {"settings", "errors", "logs", "tracing", "event_loop", "migrate", "display"}
+FLOOR = {
+    "settings",
+    "errors",
+    "logs",
+    "tracing",
+    "event_loop",
+    "migrate",
+    "display",
+    "breaker",
+}
 SHARED = {
     "messages",
     "periods",

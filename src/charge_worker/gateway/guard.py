@@ -1,11 +1,11 @@
 """What every adapter's request goes through, whatever the provider: a token of the fleet's
 rate, the breaker, a hard total deadline.
 
-pybreaker has no native asyncio, so a call is `with breaker.calling(): await …`, under
-`asyncio.timeout` (a client's own timeout bounds each phase, not the whole call). The
-request passed in translates its driver's errors into domain errors itself, inside the
-breaker, so that an `OutcomeUnknown` or `DependencyUnavailable` counts toward it and a
-verdict (decline, rejection, 409, 429) does not (`http.build_breaker`).
+A call is `with breaker: await …`, under `asyncio.timeout` (a client's own timeout bounds
+each phase, not the whole call). The request passed in translates its driver's errors into
+domain errors itself, inside the breaker, so that an `OutcomeUnknown` or
+`DependencyUnavailable` counts toward it and a verdict (decline, rejection, 409, 429) does
+not (`http.build_breaker`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import TypeVar
 
 import aiohttp
 import httpx
-import pybreaker
 
+from charge_worker.breaker import BreakerOpen
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
-from charge_worker.http import build_breaker, open_for_s
+from charge_worker.http import build_breaker
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.settings import GatewaySettings
 
@@ -51,7 +51,7 @@ class Guarded:
     @property
     def available(self) -> bool:
         """False while the breaker is open: callers should stop taking work."""
-        return open_for_s(self.breaker) == 0.0
+        return self.breaker.open_for_s() == 0.0
 
     async def guarded(
         self, what: str, request: Callable[[], Awaitable[T]], *, success_counts: bool = True
@@ -63,17 +63,17 @@ class Guarded:
         charges alone would never open it; its failures still count."""
         await self.limiter.spend()
         try:
-            if success_counts or self.breaker.current_state != pybreaker.STATE_CLOSED:
-                with self.breaker.calling():
+            if success_counts or self.breaker.state != "closed":
+                with self.breaker:
                     return await self._within_deadline(what, request)
             try:
                 return await self._within_deadline(what, request)
             except (OutcomeUnknown, DependencyUnavailable) as failure:
-                with self.breaker.calling():  # counted as the breaker counts any failure
+                with self.breaker:  # counted as the breaker counts any failure
                     raise failure from failure.__cause__
-        except pybreaker.CircuitBreakerError as error:
+        except BreakerOpen as error:
             raise DependencyUnavailable(
-                "gateway breaker open", retry_after_s=open_for_s(self.breaker)
+                "gateway breaker open", retry_after_s=self.breaker.open_for_s()
             ) from error
 
     async def _within_deadline(self, what: str, request: Callable[[], Awaitable[T]]) -> T:

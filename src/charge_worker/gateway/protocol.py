@@ -24,8 +24,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal, Protocol
 
-import pybreaker
-
+from charge_worker.breaker import Breaker
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
@@ -44,7 +43,7 @@ class Gateway(Protocol):
     # how the provider signs its webhooks, and whether their objects must be re-fetched
     webhook_scheme: WebhookScheme
     limiter: RateLimiter
-    breaker: pybreaker.CircuitBreaker
+    breaker: Breaker
 
     @property
     def charge_deadline_s(self) -> float:

@@ -25,7 +25,6 @@ from charge_worker import tracing
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
-from charge_worker.http import open_for_s
 from charge_worker.messages import valid_traceparent
 from charge_worker.settings import Settings
 from charge_worker.worker.decisions import (
@@ -129,9 +128,9 @@ class Consumer:
 
     async def _gateway_ready(self) -> bool:
         breaker = self.gateway.breaker
-        if breaker.current_state == "closed":
+        if breaker.state == "closed":
             return True
-        if (left := open_for_s(breaker)) > 0:
+        if (left := breaker.open_for_s()) > 0:
             await asyncio.sleep(min(left, 1.0))
             return False
         if await self.gateway.probe():

@@ -8,7 +8,6 @@ collectors (`process_*`, `python_gc_*`, `python_info`) the client's default regi
 
 from __future__ import annotations
 
-import pybreaker
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -18,6 +17,8 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+
+from charge_worker.breaker import Breaker
 
 PREFIX = "charge_worker"
 
@@ -125,21 +126,8 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
 
-    def watch(self, breaker: pybreaker.CircuitBreaker) -> None:
+    def watch(self, breaker: Breaker) -> None:
         """Keep `charge_worker_breaker_open{dependency=<breaker name>}` in step with it."""
-        gauge = self.breaker_open.labels(breaker.name or "unnamed")
-        gauge.set(0)
-        breaker.add_listener(_BreakerGauge(gauge))
-
-
-class _BreakerGauge(pybreaker.CircuitBreakerListener):
-    def __init__(self, gauge: Gauge) -> None:
-        self.gauge = gauge
-
-    def state_change(
-        self,
-        cb: pybreaker.CircuitBreaker,
-        old_state: pybreaker.CircuitBreakerState | None,
-        new_state: pybreaker.CircuitBreakerState,
-    ) -> None:
-        self.gauge.set(new_state.name != pybreaker.STATE_CLOSED)
+        gauge = self.breaker_open.labels(breaker.name)
+        gauge.set(breaker.state != "closed")
+        breaker.listeners.append(lambda state: gauge.set(state != "closed"))
