@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
+import asyncpg
+import psutil
 from nats.aio.client import Client
 from nats.js.api import DiscardPolicy
 
@@ -57,12 +61,22 @@ def env_for(nats: NatsSettings, database_url: str, **extra: str) -> dict[str, st
 
 async def produce(*args: str, env: dict[str, str]) -> Result:
     """`charge-worker produce --date DAY ARGS` in a subprocess."""
+    proc = await spawn_produce(*args, env=env)
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+async def spawn_produce(
+    *args: str, env: dict[str, str], stderr: int = subprocess.PIPE
+) -> asyncio.subprocess.Process:
+    """`charge-worker produce --date DAY ARGS` started, its stdout piped."""
     clean = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("CHARGE_WORKER_") and k not in ("NATS_URL", "DATABASE_URL")
     }
-    proc = await asyncio.create_subprocess_exec(
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "charge_worker",
@@ -72,12 +86,9 @@ async def produce(*args: str, env: dict[str, str]) -> Result:
         *args,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         env=clean | env,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 90)
-    assert proc.returncode is not None
-    return Result(proc.returncode, out.decode(), err.decode())
 
 
 async def test_json_summary_is_the_whole_story(
@@ -309,3 +320,55 @@ async def test_a_process_that_ends_without_a_summary_fails_the_run_in_its_summar
     scheduled = await attempts(database_url)  # each process scheduled its share
     assert set(scheduled) == {f"{n}:2026-12-01" for n in range(1, 1201)}
     assert set(scheduled.values()) == {("scheduled", False)}
+
+
+async def test_a_stopped_run_stops_its_processes_and_says_the_run_is_incomplete(
+    nats_settings: NatsSettings, database_url: str
+) -> None:
+    """SIGTERM to `produce --processes 2` (what `kill` or a pod's stop sends to the parent
+    alone) stops the processes doing the work; they must not go on unsupervised. They are
+    held on a table lock here, so that they are mid-run when the signal comes."""
+    await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1201)))
+    blocker = await asyncpg.connect(database_url)
+    children: list[psutil.Process] = []
+    try:
+        # the processes' read of due subscriptions (FOR UPDATE) waits; the cut does not
+        await blocker.execute("BEGIN; LOCK TABLE subscriptions IN EXCLUSIVE MODE")
+        env = env_for(nats_settings, database_url, CHARGE_WORKER_DB_COMMAND_TIMEOUT_S="600")
+        # no pipe the processes could hold open once it has ended (its stderr is theirs)
+        proc = await spawn_produce("--processes", "2", env=env, stderr=subprocess.DEVNULL)
+        await eventually(
+            lambda: _waiting_on_the_lock(database_url, 2), "both processes waiting for the lock"
+        )
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 2
+
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 60)
+
+        _, alive = await asyncio.to_thread(psutil.wait_procs, children, timeout=30)
+        assert alive == []
+        assert proc.returncode == 1
+        assert proc.stdout is not None
+        lines = (await proc.stdout.read()).decode().splitlines()
+        assert lines[-1] == "result: INCOMPLETE, re-run"
+        assert sum("no summary (stopped by SIGTERM)" in line for line in lines) == 2
+    finally:
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        await blocker.close()
+
+
+async def _waiting_on_the_lock(database_url: str, count: int) -> bool:
+    """Whether `count` produce connections wait for a lock (seen from a connection of its
+    own: a transaction sees the activity frozen as it first looked)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = 'charge-worker produce' AND wait_event_type = 'Lock'"
+        )
+    finally:
+        await conn.close()
+    return bool(waiting == count)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import signal
 import sys
 
 import click
@@ -26,6 +27,11 @@ from charge_worker.producer.summary import Problem, Summary
 from charge_worker.settings import Settings
 
 SAMPLE_PERCENT = 2.0  # of the subscriptions read to cut the shares (a scan, ~0.2 s at 1M)
+SIGNALS = (signal.SIGTERM, signal.SIGINT)  # passed on to the processes, which stop at once
+NOT_STARTED = (
+    "stopped by {} before every process started: the subscriptions of those not started stay"
+    " due for the next run"
+)
 
 # The ids that cut the due subscriptions into equal shares, from a sample (NULL: too few).
 _CUTS = """
@@ -41,25 +47,46 @@ async def produce_in_processes(
     """Run `produce` for `day` in `processes` child processes with this process's
     environment; print the summary of the whole run and return its exit status. A process
     that ends without a summary (its one-line error is above) is counted as a failure to
-    publish: the subscriptions it took stay due for the next run."""
-    shares = await _shares(settings, day, processes)
+    publish: the subscriptions it took stay due for the next run. SIGTERM and SIGINT are
+    passed on to the processes (a pod's stop and `kill` reach this one alone), which stop at
+    once: their open batches roll back, as a crash's would."""
     children: list[asyncio.subprocess.Process] = []
+    stopped: list[signal.Signals] = []
+
+    def stop(sig: signal.Signals) -> None:  # `kill` and a pod's stop reach this process alone
+        stopped.append(sig)
+        for child in children:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    child.send_signal(sig)
+
+    loop = asyncio.get_running_loop()
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, stop, sig)
     summary = Summary(day)
     try:
+        shares = await _shares(settings, day, processes)
         for share in shares:
+            if stopped:
+                break
             children.append(await _start(day, share))
+        if stopped and len(children) < len(shares):
+            summary.failed.append(Problem(None, None, NOT_STARTED.format(stopped[0].name)))
         for number, child in enumerate(children, start=1):
             out, _ = await child.communicate()
             try:
                 summary.add(Summary.from_json(out.decode()))
             except (ValueError, KeyError, TypeError):
+                why = f"stopped by {stopped[0].name}" if stopped else "its error is above"
                 reason = (
                     f"produce process {number} of {len(children)} ended with exit status "
-                    f"{child.returncode} and no summary (its error is above); the "
-                    "subscriptions it took stay due for the next run"
+                    f"{child.returncode} and no summary ({why}); the subscriptions it took "
+                    "stay due for the next run"
                 )
                 summary.failed.append(Problem(None, None, reason))
     finally:
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
         for child in children:
             if child.returncode is None:  # this one was stopped: so are they
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
