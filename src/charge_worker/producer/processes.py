@@ -53,7 +53,7 @@ async def produce_in_processes(
     children: list[asyncio.subprocess.Process] = []
     stopped: list[signal.Signals] = []
 
-    def stop(sig: signal.Signals) -> None:  # `kill` and a pod's stop reach this process alone
+    def stop(sig: signal.Signals) -> None:
         stopped.append(sig)
         for child in children:
             if child.returncode is None:
