@@ -330,6 +330,7 @@ async def test_a_stopped_run_stops_its_processes_and_says_the_run_is_incomplete(
     held on a table lock here, so that they are mid-run when the signal comes."""
     await add_subscriptions(database_url, *(Sub(f"sub_{n:04}", n) for n in range(1, 1201)))
     blocker = await asyncpg.connect(database_url)
+    proc: asyncio.subprocess.Process | None = None
     children: list[psutil.Process] = []
     try:
         # the processes' read of due subscriptions (FOR UPDATE) waits; the cut does not
@@ -353,7 +354,10 @@ async def test_a_stopped_run_stops_its_processes_and_says_the_run_is_incomplete(
         lines = (await proc.stdout.read()).decode().splitlines()
         assert lines[-1] == "result: INCOMPLETE, re-run"
         assert sum("no summary (stopped by SIGTERM)" in line for line in lines) == 2
-    finally:
+    finally:  # nothing left running, whatever failed
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
         for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
@@ -366,8 +370,8 @@ async def _waiting_on_the_lock(database_url: str, count: int) -> bool:
     conn = await asyncpg.connect(database_url)
     try:
         waiting = await conn.fetchval(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE application_name = 'charge-worker produce' AND wait_event_type = 'Lock'"
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = 'charge-worker produce' AND wait_event_type = 'Lock'"
         )
     finally:
         await conn.close()

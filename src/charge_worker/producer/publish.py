@@ -306,9 +306,7 @@ class _Acks:
             ack = _ack(msg.data)
         except (ValueError, KeyError, TypeError):  # no stream answered (a 503 status)
             return
-        if ack is None:
-            return
-        if 0 <= i < len(self.acks) and self.acks[i] is None:
+        if ack is not None and 0 <= i < len(self.acks) and self.acks[i] is None:
             self.acks[i] = ack
             self.waiting -= 1
             if self.waiting == 0:
