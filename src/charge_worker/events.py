@@ -71,9 +71,12 @@ class Event:
     detail: dict[str, Any]
 
 
+_ENCODER = json.JSONEncoder(default=str)  # `json.dumps(default=…)` builds one per call
+
+
 def to_json(detail: Mapping[str, Any]) -> str:
     """An event's detail as stored: `None` values are left out."""
-    return json.dumps({k: v for k, v in detail.items() if v is not None}, default=str)
+    return _ENCODER.encode({k: v for k, v in detail.items() if v is not None})
 
 
 async def record(

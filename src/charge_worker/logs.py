@@ -15,6 +15,8 @@ machinery's cost.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import sys
 from collections.abc import Callable, MutableMapping
@@ -59,7 +61,9 @@ def configure(cfg: LogSettings) -> None:
     """Route structlog and stdlib logging to stderr in the configured format."""
     level = logging.getLevelNamesMapping()[cfg.log_level.upper()]
     renderer: Processor = (
-        structlog.processors.JSONRenderer() if _json(cfg) else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer(serializer=_dumps)
+        if _json(cfg)
+        else structlog.dev.ConsoleRenderer()
     )
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -92,6 +96,17 @@ def configure(cfg: LogSettings) -> None:
     # their info lines are the libraries' chatter (connections, pools): warnings and up
     root.setLevel(max(level, logging.WARNING))
     logging.captureWarnings(True)
+
+
+@functools.cache
+def _encoder(default: Callable[[Any], Any]) -> json.JSONEncoder:
+    return json.JSONEncoder(default=default)
+
+
+def _dumps(obj: Any, *, default: Callable[[Any], Any]) -> str:
+    """`json.dumps` as `JSONRenderer` calls it, with one encoder for every line rather than
+    one per line."""
+    return _encoder(default).encode(obj)
 
 
 def _json(cfg: LogSettings) -> bool:
