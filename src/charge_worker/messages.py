@@ -122,7 +122,7 @@ def parse(body: bytes) -> ChargeDue:
             raise PoisonMessage(f"body nests arrays or objects deeper than {MAX_DEPTH} levels")
         # json first: pydantic would accept a top-level non-object only to fail less clearly,
         # and Python refuses integers of more than 4300 digits here with a ValueError.
-        data = json.loads(text, object_pairs_hook=_unique_keys)
+        data = _DECODER.decode(text)
     except (UnicodeDecodeError, ValueError) as error:
         raise PoisonMessage(f"body is not UTF-8 JSON: {_first_line(error)}") from error
     if not isinstance(data, dict):
@@ -166,12 +166,18 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object; a key given twice is poison (parsers disagree on which one wins).
 
     Linear in the number of keys: a 64 KiB body holds thousands, and this runs on the loop."""
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise PoisonMessage(f"field {key!r} appears more than once")
-        data[key] = value
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:  # the first key given twice
+            if key in seen:
+                raise PoisonMessage(f"field {key!r} appears more than once")
+            seen.add(key)
     return data
+
+
+# one decoder for every message: `json.loads` with a hook builds a new one per call
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
 def valid_traceparent(header: object) -> str | None:
