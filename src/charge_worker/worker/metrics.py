@@ -28,6 +28,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
         ProcessCollector(registry=registry)
         GCCollector(registry=registry)
         PlatformCollector(registry=registry)
@@ -125,6 +126,15 @@ class Metrics:
             registry=registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
+
+    def count(self, counter: Counter, *labels: str) -> None:
+        """`counter.labels(*labels).inc()`, each child looked up once: `labels()` validates
+        its values and takes a lock on every call, and the values here are few (enums)."""
+        key = (counter, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter.labels(*labels)
+        child.inc()
 
     def watch(self, breaker: Breaker) -> None:
         """Keep `charge_worker_breaker_open{dependency=<breaker name>}` in step with it."""
