@@ -38,7 +38,7 @@ from charge_worker.worker.decisions import (
     describe,
 )
 from charge_worker.worker.failpoints import Failpoints
-from charge_worker.worker.heartbeat import Heartbeat
+from charge_worker.worker.heartbeat import Heartbeats
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
@@ -70,9 +70,9 @@ class Consumer:
         self.gateway = gateway
         self.metrics = metrics
         self.failpoints = failpoints
-        # read per message: settings properties cost more than a look-up
-        self.heartbeat_s = settings.heartbeat_s
-        self.budget_s = settings.worker.processing_budget_s
+        self.heartbeats = Heartbeats(
+            settings.heartbeat_s, settings.worker.processing_budget_s, metrics
+        )
         self.in_flight: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
         self.last_tick = time.monotonic()  # /healthz: the loop turns at least every second
@@ -165,12 +165,12 @@ class Consumer:
         self, msg: Msg, delivery: Delivery, fetched_at: float, span: Span
     ) -> None:
         self.metrics.in_flight.inc()
-        heartbeat = Heartbeat(msg, self.heartbeat_s, self.budget_s, self.metrics)
+        beat = self.heartbeats.start(msg)
         try:
-            with heartbeat:
-                processed = await self.pipeline.process(delivery)  # binds order_id, billing_period
-                action = await conclude(self.pipeline, processed, self.policy)
+            processed = await self.pipeline.process(delivery)  # binds order_id, billing_period
+            action = await conclude(self.pipeline, processed, self.policy)
         finally:
+            self.heartbeats.stop(beat)
             self.metrics.in_flight.dec()
         done = await self._act(msg, delivery, processed, action)
         if done != action:  # a dead letter or copy could not be written: the story says so

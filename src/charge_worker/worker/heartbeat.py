@@ -4,49 +4,67 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import TracebackType
+import time
 
 import nats.errors
 from nats.aio.msg import Msg
 
 from charge_worker.worker.metrics import Metrics
 
+TICKS_PER_INTERVAL = 4
 
-class Heartbeat:
-    """`+WPI` every `interval_s` while inside, up to `budget_s` after entering.
 
-    A timer rather than a task per message: most charges finish before the first beat and
-    then cost one cancelled timer. One `+WPI` is in flight at a time.
-    """
+class Heartbeats:
+    """`+WPI` for each message between `start(msg)` and `stop(beat)`, every 3/4 to 1
+    `interval_s`, until `budget_s` after its start; one `+WPI` of a message in flight at a
+    time.
 
-    def __init__(self, msg: Msg, interval_s: float, budget_s: float, metrics: Metrics) -> None:
-        self.msg, self.interval_s, self.budget_s, self.metrics = msg, interval_s, budget_s, metrics
-        self.loop = asyncio.get_running_loop()
-        self.sending: asyncio.Task[None] | None = None
+    One timer for all the messages, ticking every quarter interval while there are any,
+    rather than one per message: most charges finish before their first beat, and a timer
+    armed and cancelled per message cost more than the rest of the bookkeeping."""
 
-    def __enter__(self) -> Heartbeat:
-        self.deadline = self.loop.time() + self.budget_s
-        self.timer = self.loop.call_later(self.interval_s, self._beat)
-        return self
+    def __init__(self, interval_s: float, budget_s: float, metrics: Metrics) -> None:
+        self.interval_s, self.budget_s, self.metrics = interval_s, budget_s, metrics
+        self.tick_s = interval_s / TICKS_PER_INTERVAL
+        self.beating: set[Beat] = set()
+        self.timer: asyncio.TimerHandle | None = None
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.timer.cancel()
-        if self.sending is not None:
-            self.sending.cancel()
+    def start(self, msg: Msg) -> Beat:
+        beat = Beat(msg, time.monotonic())
+        self.beating.add(beat)
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.tick_s, self._tick)
+        return beat
 
-    def _beat(self) -> None:
-        if self.loop.time() >= self.deadline:
-            return
-        if self.sending is None or self.sending.done():
-            self.sending = self.loop.create_task(self._send())
-        self.timer = self.loop.call_later(self.interval_s, self._beat)
+    def stop(self, beat: Beat) -> None:
+        self.beating.discard(beat)
+        if beat.sending is not None:
+            beat.sending.cancel()
 
-    async def _send(self) -> None:
+    def _tick(self) -> None:
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        for beat in self.beating:
+            # due within this tick: no gap between two beats is longer than the interval
+            due = now - beat.last >= self.interval_s - self.tick_s
+            if due and now - beat.started < self.budget_s:
+                if beat.sending is None or beat.sending.done():
+                    beat.sending = loop.create_task(self._send(beat.msg))
+                beat.last = now
+        self.timer = loop.call_later(self.tick_s, self._tick) if self.beating else None
+
+    async def _send(self, msg: Msg) -> None:
         with contextlib.suppress(nats.errors.Error):
-            await self.msg.in_progress()
+            await msg.in_progress()
             self.metrics.heartbeats.inc()
+
+
+class Beat:
+    """One message's heartbeat."""
+
+    __slots__ = ("last", "msg", "sending", "started")
+
+    def __init__(self, msg: Msg, started: float) -> None:
+        self.msg = msg
+        self.started = self.last = started
+        self.sending: asyncio.Task[None] | None = None
