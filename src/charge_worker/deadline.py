@@ -1,12 +1,14 @@
 """Hard deadlines for many concurrent calls, on one loop timer.
 
 `asyncio.timeout` arms a timer of the loop for every call and disarms it after: a timer
-handle, a libuv timer, its cancel and its release, and three `getpid` system calls in
-CPython 3.11's task bookkeeping; about 4 us a call on uvloop, two calls per charge. A
-`Deadlines` keeps the calls under way instead, and one timer checks them every
-`resolution_s` while there are any: a call is cancelled up to `resolution_s` after its
-deadline, and `within()` then raises `TimeoutError`, as `asyncio.timeout` does (a
-cancellation from elsewhere stays a `CancelledError`).
+handle, a libuv timer, its cancel and its release, and three `getpid` system calls (CPython
+3.11 checks the process of the running loop on every look-up); about 4 us a call on uvloop,
+two calls per charge. A `Deadlines` keeps the calls under way instead, and one timer checks
+them every `resolution_s` while there are any: a call is cancelled up to `resolution_s`
+after its deadline, and `within()` then raises `TimeoutError`, as `asyncio.timeout` does (a
+cancellation from elsewhere stays a `CancelledError`). It remembers the loop it last ran on
+and asks for the running one only when that loop has no task running: a client's calls
+are made from one thread.
 """
 
 from __future__ import annotations
@@ -55,10 +57,13 @@ class Within:
         self.deadlines, self.seconds, self.expired = deadlines, seconds, False
 
     async def __aenter__(self) -> None:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task(loop)
-        if task is None:
-            raise RuntimeError("a deadline applies to a task")
+        loop = self.deadlines.loop
+        if loop is None or (task := asyncio.current_task(loop)) is None:
+            # the first call, or one on another loop (the last one closed: tests run one each)
+            loop = asyncio.get_running_loop()
+            task = asyncio.current_task(loop)
+            if task is None:
+                raise RuntimeError("a deadline applies to a task")
         self.task, self.cancelling = task, task.cancelling()
         self.when = loop.time() + self.seconds
         self.deadlines._watch(self, loop)
