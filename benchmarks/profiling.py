@@ -51,7 +51,7 @@ STEPS = {
         ("nats/aio/msg.py", "ack", "  ack"),
         ("charge_worker/worker/consumer.py", "_account", "  metrics + charge.settled log line"),
         ("charge_worker/ledger.py", "tell", "  delivery event INSERT (no ledger write)"),
-        ("charge_worker/worker/heartbeat.py", "__enter__", "  heartbeat timer (start)"),
+        ("charge_worker/worker/heartbeat.py", "start", "  heartbeat (start)"),
         ("charge_worker/worker/consumer.py", "run", "pull loop (fetch, spawn)"),
     ),
     "bare": (
