@@ -151,11 +151,8 @@ class Consumer:
             stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
         )
         try:
-            name, attributes = (
-                (f"process {msg.subject}", self._span_attributes(msg, delivery))
-                if tracing.enabled()
-                else ("", None)
-            )
+            name = f"process {msg.subject}"
+            attributes = self._span_attributes(msg, delivery) if tracing.enabled() else None
             with tracing.continued(name, delivery.traceparent, attributes) as span:
                 await self._handle_traced(msg, delivery, fetched_at, span)
         finally:
