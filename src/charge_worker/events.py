@@ -44,6 +44,7 @@ from typing import Any
 
 import asyncpg
 
+from charge_worker import json_text
 from charge_worker.messages import msg_id
 
 _INSERT = """
@@ -71,12 +72,9 @@ class Event:
     detail: dict[str, Any]
 
 
-_ENCODER = json.JSONEncoder(default=str)  # `json.dumps(default=…)` builds one per call
-
-
 def to_json(detail: Mapping[str, Any]) -> str:
     """An event's detail as stored: `None` values are left out."""
-    return _ENCODER.encode({k: v for k, v in detail.items() if v is not None})
+    return json_text.dumps({k: v for k, v in detail.items() if v is not None})
 
 
 async def record(

@@ -110,7 +110,7 @@ async def test_sigterm_stops_the_receiver_with_exit_0(
 
     assert await receiver.exited() == 0
     log = receiver.log.read_text()
-    assert '"event": "webhooks.stopped"' in log
+    assert '"event":"webhooks.stopped"' in log
     assert SECRET not in log
     assert SECRET.removeprefix("whsec_") not in log
 

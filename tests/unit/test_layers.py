@@ -25,6 +25,7 @@ FLOOR = {
     "display",
     "breaker",
     "deadline",
+    "json_text",
 }
 SHARED = {
     "messages",
