@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import json
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -37,7 +40,6 @@ def json_logs(capsys: pytest.CaptureFixture[str]) -> Iterator[pytest.CaptureFixt
             logging.getLogger(name).handlers.clear()
             logging.getLogger(name).propagate = True
         structlog.reset_defaults()
-        structlog.contextvars.clear_contextvars()
 
 
 def _configure() -> None:
@@ -53,18 +55,23 @@ def test_stdlib_loggers_write_the_same_json_lines_with_name_and_level(
     json_logs: pytest.CaptureFixture[str],
 ) -> None:
     _configure()
-    structlog.contextvars.bind_contextvars(stream_seq=7, delivery=2)
-    structlog.get_logger("charge_worker.worker.consumer").info("charge.settled", outcome="charged")
-    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
-    logging.getLogger("nats.aio.client").error("nats: encountered error")
-    logging.getLogger("asyncpg.pool").info("chatter")  # libraries' info lines are left out
+    bound = logs.bind(stream_seq=7, delivery=2)
     try:
-        int("boom")
-    except ValueError:
-        logging.getLogger("asyncio").exception("Task exception was never retrieved")
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.warn("careful", UserWarning, stacklevel=1)
+        structlog.get_logger("charge_worker.worker.consumer").info(
+            "charge.settled", outcome="charged"
+        )
+        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+        logging.getLogger("nats.aio.client").error("nats: encountered error")
+        logging.getLogger("asyncpg.pool").info("chatter")  # libraries' info lines are left out
+        try:
+            int("boom")
+        except ValueError:
+            logging.getLogger("asyncio").exception("Task exception was never retrieved")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("careful", UserWarning, stacklevel=1)
+    finally:
+        logs.unbind(bound)
 
     lines = _lines(json_logs)
 
@@ -130,3 +137,57 @@ def test_uvicorn_lines_stay_json_once_the_webhook_server_is_built(
     logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
     [line] = _lines(json_logs)
     assert (line["logger"], line["level"]) == ("uvicorn.error", "warning")
+
+
+def test_bound_fields_reach_the_tasks_started_after_and_stay_in_their_task(
+    json_logs: pytest.CaptureFixture[str],
+) -> None:
+    _configure()
+    log = structlog.get_logger("charge_worker.test")
+
+    async def delivery(seq: int) -> None:
+        bound = logs.bind(stream_seq=seq)
+        try:
+            await asyncio.create_task(child())  # started after the bind: carries it
+            logs.bind(order_id=seq * 10)
+            log.info("settled", stream_seq=-seq)  # a line's own field wins
+        finally:
+            logs.unbind(bound)
+        log.info("after")
+
+    async def child() -> None:
+        log.info("child")
+
+    async def main() -> None:
+        logs.bind(worker="w1")
+        await asyncio.gather(delivery(1), delivery(2))
+        log.info("main")
+
+    asyncio.run(main())
+    fields = [
+        {k: line[k] for k in ("event", "worker", "stream_seq", "order_id") if k in line}
+        for line in _lines(json_logs)
+    ]
+    assert sorted(fields, key=str) == sorted(
+        [
+            {"event": "child", "worker": "w1", "stream_seq": 1},
+            {"event": "child", "worker": "w1", "stream_seq": 2},
+            {"event": "settled", "worker": "w1", "stream_seq": -1, "order_id": 10},
+            {"event": "settled", "worker": "w1", "stream_seq": -2, "order_id": 20},
+            {"event": "after", "worker": "w1"},
+            {"event": "after", "worker": "w1"},
+            {"event": "main", "worker": "w1"},
+        ],
+        key=str,
+    )
+
+
+def test_timestamps_as_structlog_writes_them(json_logs: pytest.CaptureFixture[str]) -> None:
+    _configure()
+    structlog.get_logger().info("now")
+    [line] = _lines(json_logs)
+    theirs = structlog.processors.TimeStamper(fmt="iso", utc=True)(None, "info", {})["timestamp"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", line["timestamp"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", theirs)
+    written = dt.datetime.fromisoformat(line["timestamp"])
+    assert dt.timedelta(0) <= dt.datetime.fromisoformat(theirs) - written < dt.timedelta(hours=1)

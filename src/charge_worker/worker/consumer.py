@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry.trace import Span, StatusCode
 
-from charge_worker import tracing
+from charge_worker import logs, tracing
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
@@ -44,9 +44,6 @@ from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
 
 log = structlog.get_logger(__name__)
 RECONNECT_PAUSE_S = 0.5
-# bound to a delivery's lines from its start to its canonical line (`order_id` and
-# `billing_period` by the pipeline, once the body is parsed)
-DELIVERY_CONTEXT = ("stream_seq", "delivery", "order_id", "billing_period")
 THROTTLED_PAUSE_S = 0.05
 
 
@@ -73,6 +70,8 @@ class Consumer:
         self.heartbeats = Heartbeats(
             settings.heartbeat_s, settings.worker.processing_budget_s, metrics
         )
+        # read at each scrape: no lock taken twice per message
+        metrics.in_flight.set_function(lambda: len(self.heartbeats.beating))
         self.in_flight: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
         self.last_tick = time.monotonic()  # /healthz: the loop turns at least every second
@@ -147,28 +146,26 @@ class Consumer:
         delivery = _delivery(msg)
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()
-        structlog.contextvars.bind_contextvars(
-            stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
-        )
+        # on the delivery's lines until its canonical line (the pipeline adds `order_id` and
+        # `billing_period` once the body is parsed)
+        bound = logs.bind(stream_seq=delivery.stream_seq, delivery=delivery.num_delivered)
         try:
             name = f"process {msg.subject}"
             attributes = self._span_attributes(msg, delivery) if tracing.enabled() else None
             with tracing.continued(name, delivery.traceparent, attributes) as span:
                 await self._handle_traced(msg, delivery, fetched_at, span)
         finally:
-            structlog.contextvars.unbind_contextvars(*DELIVERY_CONTEXT)
+            logs.unbind(bound)
 
     async def _handle_traced(
         self, msg: Msg, delivery: Delivery, fetched_at: float, span: Span
     ) -> None:
-        self.metrics.in_flight.inc()
         beat = self.heartbeats.start(msg)
         try:
             processed = await self.pipeline.process(delivery)  # binds order_id, billing_period
             action = await conclude(self.pipeline, processed, self.policy)
         finally:
             self.heartbeats.stop(beat)
-            self.metrics.in_flight.dec()
         done = await self._act(msg, delivery, processed, action)
         if done != action:  # a dead letter or copy could not be written: the story says so
             await self.pipeline.record(processed, done)

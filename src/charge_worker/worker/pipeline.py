@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from charge_worker import tracing
+from charge_worker import logs, tracing
 from charge_worker.errors import (
     AlreadySettled,
     ChargeWorkerError,
@@ -128,7 +128,7 @@ class Pipeline:
         try:
             done.charge = parse(delivery.data)
             # the delivery's lines name the charge from here on (consumer.py unbinds them)
-            structlog.contextvars.bind_contextvars(
+            logs.bind(
                 order_id=done.charge.order_id,
                 billing_period=done.charge.billing_period.isoformat(),
             )
