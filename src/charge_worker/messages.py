@@ -56,7 +56,10 @@ def _no_control(value: str) -> str:
 
 def _storable(value: dt.datetime) -> dt.datetime:
     """Within the years 1-9999 once in UTC, as the ledger stores it: 0001-01-01T00:30+01:00
-    is a valid RFC 3339 timestamp of the year 0."""
+    is a valid RFC 3339 timestamp of the year 0. An offset is less than a day: only the
+    first and the last year can leave the range."""
+    if 1 < value.year < 9999:
+        return value
     try:
         value.astimezone(dt.UTC)
     except OverflowError as error:
