@@ -76,29 +76,24 @@ def add_bound(
     return event_dict
 
 
-class _Second:
-    """The text of the current second, made once a second."""
-
-    __slots__ = ("at", "text")
-
-    def __init__(self) -> None:
-        self.at, self.text = -1, ""
-
-
-_SECOND = _Second()
+# the current second and its text, one tuple so that a line logged from another thread
+# never pairs one second with the other's text
+_SECOND: list[tuple[int, str]] = [(-1, "")]
 
 
 def add_timestamp(
     _logger: WrappedLogger, _method: str, event_dict: EventDict
 ) -> MutableMapping[str, Any]:
     """`timestamp`: UTC, ISO 8601 to the microsecond, as structlog's `TimeStamper(fmt="iso",
-    utc=True)` writes it (`2026-12-01T09:30:00.000123Z`) at a third of its cost."""
+    utc=True)` writes it (`2026-12-01T09:30:00.000123Z`) at a third of its cost: the second's
+    text is made once a second."""
     now = time.time()
     second = int(now)
-    if second != _SECOND.at:
-        _SECOND.text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        _SECOND.at = second
-    event_dict["timestamp"] = f"{_SECOND.text}.{int((now - second) * 1e6):06d}Z"
+    at, text = _SECOND[0]
+    if second != at:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _SECOND[0] = (second, text)
+    event_dict["timestamp"] = f"{text}.{int((now - second) * 1e6):06d}Z"
     return event_dict
 
 
