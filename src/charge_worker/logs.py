@@ -19,6 +19,7 @@ machinery's cost.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -76,24 +77,20 @@ def add_bound(
     return event_dict
 
 
-# the current second and its text, one tuple so that a line logged from another thread
-# never pairs one second with the other's text
-_SECOND: list[tuple[int, str]] = [(-1, "")]
+@functools.lru_cache(maxsize=1)
+def _second_text(second: int) -> str:
+    """The UTC text of one second, made once a second (the cache is safe across threads)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
 def add_timestamp(
     _logger: WrappedLogger, _method: str, event_dict: EventDict
 ) -> MutableMapping[str, Any]:
     """`timestamp`: UTC, ISO 8601 to the microsecond, as structlog's `TimeStamper(fmt="iso",
-    utc=True)` writes it (`2026-12-01T09:30:00.000123Z`) at a third of its cost: the second's
-    text is made once a second."""
+    utc=True)` writes it (`2026-12-01T09:30:00.000123Z`) at a third of its cost."""
     now = time.time()
     second = int(now)
-    at, text = _SECOND[0]
-    if second != at:
-        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        _SECOND[0] = (second, text)
-    event_dict["timestamp"] = f"{text}.{int((now - second) * 1e6):06d}Z"
+    event_dict["timestamp"] = f"{_second_text(second)}.{int((now - second) * 1e6):06d}Z"
     return event_dict
 
 
