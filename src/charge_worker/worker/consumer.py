@@ -227,19 +227,19 @@ class Consumer:
             # a requeue left undone is picked up by the advisory and by reconcile
             log.error("dlq.write_failed", action=describe(action)["action"], error=str(error))
             return Nak(self.settings.nats.ack_wait_s)
-        self.metrics.count(self.metrics.dead_letters, action.reason)
+        self.metrics.dead_letters.inc(action.reason)
         return action
 
     def _account(
         self, delivery: Delivery, processed: Processed, action: Action, seconds: float
     ) -> None:
         outcome, described = processed.result.outcome, describe(action)
-        self.metrics.count(self.metrics.messages, outcome.value, str(described["action"]))
+        self.metrics.messages.inc(outcome.value, str(described["action"]))
         self.metrics.processing.observe(seconds)
         if outcome is Outcome.DUPLICATE:
             self.metrics.duplicates.inc()
         if outcome in (Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED):
-            self.metrics.count(self.metrics.charges, outcome.value)
+            self.metrics.charges.inc(outcome.value)
         charge = processed.charge
         log.info(
             "charge.settled",

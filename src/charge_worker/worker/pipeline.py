@@ -252,7 +252,7 @@ class Pipeline:
         done.notes["scoring"] = label
         if isinstance(verdict, ScoringFailure):
             done.notes["scoring_error"] = verdict.reason
-        self.metrics.count(self.metrics.scoring, label)
+        self.metrics.scoring.inc(label)
         self.failpoints.hit("after_scoring")
         return verdict
 
@@ -277,7 +277,7 @@ class Pipeline:
             done.settlement = Settlement("processing", charge_id=answer.charge_id)
             return Result(Outcome.PROCESSING)
         done.notes["decline"] = answer.decline_code
-        self.metrics.count(self.metrics.declines, answer.decline_kind or CARD_DECLINED)
+        self.metrics.declines.inc(answer.decline_kind or CARD_DECLINED)
         done.settlement = Settlement(
             "declined", error=answer.decline_code, decline_code=answer.decline_code
         )
@@ -285,7 +285,7 @@ class Pipeline:
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
         done.notes["gateway"] = label
-        self.metrics.count(self.metrics.gateway_calls, label)
+        self.metrics.gateway_calls.inc(label)
 
     async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
         """What the gateway already did for this key, as a result to settle; None if nothing."""
@@ -303,7 +303,7 @@ class Pipeline:
         if failed := [c for c in found if c.status == "failed"]:
             code = failed[-1].decline_code
             kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
-            self.metrics.count(self.metrics.declines, kind)
+            self.metrics.declines.inc(kind)
             done.settlement = Settlement(
                 "declined", error=f"{code or 'declined'} (found by lookup)", decline_code=code
             )

@@ -65,7 +65,7 @@ async def _one_round(
             "blocked" if verdict.decision == "block" else "approved"
         )
         await checks.resolve(check, resolved)
-        metrics.count(metrics.deferred_checks, resolved)
+        metrics.deferred_checks.inc(resolved)
         if resolved == "blocked":
             log.warning(
                 "checks.late_block",
