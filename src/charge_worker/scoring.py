@@ -103,29 +103,31 @@ class ScoringClient:
         }
         headers = {"traceparent": traceparent} if traceparent else None
         try:
-            with self.breaker:
-                return await self._call(body, headers)
+            with self.breaker:  # inside: a timeout or a bad answer counts toward it
+                try:
+                    async with self.deadlines.within(self.timeout_s):
+                        response = await self.client.post("/v1/score", json=body, headers=headers)
+                except TimeoutError as error:
+                    raise OutcomeUnknown(f"scoring timed out after {self.timeout_s:g}s") from error
+                except httpx.HTTPError as error:
+                    raise DependencyUnavailable(f"scoring unreachable: {error!r}") from error
+                return _verdict(response)
         except BreakerOpen:
             return ScoringFailure("scoring breaker open")
         except (OutcomeUnknown, DependencyUnavailable) as error:
             return ScoringFailure(str(error))
 
-    async def _call(self, body: dict[str, object], headers: dict[str, str] | None) -> Verdict:
-        try:
-            async with self.deadlines.within(self.timeout_s):
-                response = await self.client.post("/v1/score", json=body, headers=headers)
-        except TimeoutError as error:
-            raise OutcomeUnknown(f"scoring timed out after {self.timeout_s:g}s") from error
-        except httpx.HTTPError as error:
-            raise DependencyUnavailable(f"scoring unreachable: {error!r}") from error
-        if response.status_code != 200:
-            raise OutcomeUnknown(f"scoring answered {response.status_code}")
-        try:
-            data = response.json()
-            decision = data["decision"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise OutcomeUnknown("scoring answered a malformed body") from error
-        if decision not in ("approve", "block"):
-            raise OutcomeUnknown(f"scoring answered an unknown decision {decision!r:.40}")
-        score = data.get("score")
-        return Verdict(decision, float(score) if isinstance(score, int | float) else None)
+
+def _verdict(response: httpx.Response) -> Verdict:
+    """The verdict an answer carries; `OutcomeUnknown` when it carries none."""
+    if response.status_code != 200:
+        raise OutcomeUnknown(f"scoring answered {response.status_code}")
+    try:
+        data = response.json()
+        decision = data["decision"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise OutcomeUnknown("scoring answered a malformed body") from error
+    if decision not in ("approve", "block"):
+        raise OutcomeUnknown(f"scoring answered an unknown decision {decision!r:.40}")
+    score = data.get("score")
+    return Verdict(decision, float(score) if isinstance(score, int | float) else None)

@@ -146,32 +146,27 @@ class Consumer:
         delivery = _delivery(msg)
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()
-        # on the delivery's lines until its canonical line (the pipeline adds `order_id` and
-        # `billing_period` once the body is parsed)
+        # on the delivery's lines until its canonical line
         bound = logs.bind(stream_seq=delivery.stream_seq, delivery=delivery.num_delivered)
         try:
             name = f"process {msg.subject}"
             attributes = self._span_attributes(msg, delivery) if tracing.enabled() else None
             with tracing.continued(name, delivery.traceparent, attributes) as span:
-                await self._handle_traced(msg, delivery, fetched_at, span)
+                beat = self.heartbeats.start(msg)
+                try:
+                    # binds order_id and billing_period once the body is parsed
+                    processed = await self.pipeline.process(delivery)
+                    action = await conclude(self.pipeline, processed, self.policy)
+                finally:
+                    self.heartbeats.stop(beat)
+                done = await self._act(msg, delivery, processed, action)
+                if done != action:  # a dead letter or copy was not written: the story says so
+                    await self.pipeline.record(processed, done)
+                self._account(delivery, processed, done, time.monotonic() - fetched_at)
+                if span.is_recording():
+                    _annotate(span, processed, done)
         finally:
             logs.unbind(bound)
-
-    async def _handle_traced(
-        self, msg: Msg, delivery: Delivery, fetched_at: float, span: Span
-    ) -> None:
-        beat = self.heartbeats.start(msg)
-        try:
-            processed = await self.pipeline.process(delivery)  # binds order_id, billing_period
-            action = await conclude(self.pipeline, processed, self.policy)
-        finally:
-            self.heartbeats.stop(beat)
-        done = await self._act(msg, delivery, processed, action)
-        if done != action:  # a dead letter or copy could not be written: the story says so
-            await self.pipeline.record(processed, done)
-        self._account(delivery, processed, done, time.monotonic() - fetched_at)
-        if span.is_recording():
-            _annotate(span, processed, done)
 
     def _span_attributes(self, msg: Msg, delivery: Delivery) -> tracing.Attributes:
         headers = msg.headers or {}
