@@ -1,43 +1,53 @@
-"""The worker's own CPU per charge against the bare pipeline's, in one process, with the
-I/O faked the same way under both: canned PostgreSQL answers, canned HTTP answers (httpx
-over a transport that answers at once), an ack that goes nowhere. Each fake yields to the
-loop once, as a real round trip would.
+"""The worker's own CPU per charge against the bare pipeline's, both in one process, in
+alternating batches over the same dependencies: by default the real ones (the bench's
+embedded PostgreSQL and its gateway and scoring simulators, each pipeline on a fresh
+database), with `--fake-io` canned answers (httpx over a transport that answers at once, a
+pool that returns the rows a fresh charge gets; each yields to the loop once). JetStream is
+left out in both modes: the deliveries are handed over and their acks go nowhere (the two
+pipelines fetch and ack alike).
 
-A diagnosis, not a target: `make bench` measures the real thing. On a shared VM whose speed
-drifts by a third from one minute to the next, the full bench's ratio drifts with it
-(docs/performance.md). Here both run in one process, in alternating batches, and the median
-of the per-pair ratios is steady to about 0.01, so a change to the worker's own code can be
-measured in minutes: run this on each tree, alternately,
+A diagnosis, not a target: `make bench` measures the real thing, each consumer in its own
+process. On a shared VM whose speed drifts by a third from one minute to the next, the full
+bench's ratio drifts with it (docs/performance.md). Here the median of the per-pair ratios
+holds to about 0.01 from run to run, so a change to the worker's own code can be measured in
+minutes: run this on each tree, alternately,
 
-    PYTHONPATH=src:. .venv/bin/python -m benchmarks.overhead --rounds 100
+    PYTHONPATH=src:. .venv/bin/python -m benchmarks.overhead
 
-The ratio is larger than the full bench's (no sockets, no aiohttp, no asyncpg protocol under
-either: the shared work is smaller); the `extra` in microseconds is the worker's own cost.
+The in-process ratio is not the bench's: both pipelines share one heap and one loop here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
 from benchmarks.bare_pipeline import BareConfig, BarePipeline
 from benchmarks.load import due_body
+from benchmarks.stack import Stack
 from charge_worker import event_loop, logs
+from charge_worker.database import create_pool, keep_session
 from charge_worker.gateway import build_gateway
 from charge_worker.http import build_client
 from charge_worker.ledger import Ledger
 from charge_worker.scoring import ScoringClient
-from charge_worker.settings import load_settings
+from charge_worker.settings import LogSettings, load_settings
 from charge_worker.worker.consumer import Consumer
 from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
@@ -52,6 +62,15 @@ FAKE_ENV = {
     "GATEWAY_API_KEY": "sk_test_overhead",
     "SCORING_URL": "http://scoring",
 }
+
+
+@dataclass
+class Dependencies:
+    """What each pipeline talks to: its pool, its two clients' transport (None: real)."""
+
+    worker_pool: Any
+    bare_pool: Any
+    transport: httpx.AsyncBaseTransport | None
 
 
 class Answers(httpx.AsyncBaseTransport):
@@ -119,22 +138,52 @@ def message(seq: int, nc: Nowhere) -> Msg:
     )
 
 
-async def measure(rounds: int, batch: int) -> None:
-    settings = load_settings()
-    answers, pool, nowhere = Answers(), Pool(), Nowhere()
-    gateway = build_gateway(settings.gateway)
-    gateway.client = build_client(  # type: ignore[attr-defined]
-        "http://gateway",
-        timeout_s=5,
-        max_connections=100,
-        headers={"Authorization": "Bearer sk"},
-        transport=answers,
+@contextlib.asynccontextmanager
+async def faked() -> AsyncIterator[Dependencies]:
+    os.environ.update(FAKE_ENV)
+    yield Dependencies(Pool(), Pool(), Answers())
+
+
+@contextlib.asynccontextmanager
+async def real(stack: Stack) -> AsyncIterator[Dependencies]:
+    await stack.prepare()
+    worker_db, bare_db = await stack.new_database(), await stack.new_database()
+    os.environ.update(
+        NATS_URL=stack.nats_url,
+        DATABASE_URL=worker_db,
+        GATEWAY_URL=stack.gateway.url,
+        GATEWAY_API_KEY=stack.api_key,
+        SCORING_URL=stack.scoring.url,
     )
-    scoring = ScoringClient(settings.scoring, transport=answers)
+    worker_pool = await create_pool(load_settings().db)
+    bare_pool = await asyncpg.create_pool(bare_db, max_size=10, reset=keep_session)
+    try:
+        yield Dependencies(worker_pool, bare_pool, None)
+    finally:
+        await worker_pool.close()
+        await bare_pool.close()
+        await stack.cleanup_databases()  # servers of your own (NATS_URL, DATABASE_URL)
+
+
+async def measure(deps: Dependencies, rounds: int, batch: int) -> None:
+    settings = load_settings()
+    nowhere = Nowhere()
+    gateway = build_gateway(settings.gateway)
+    gateway_url, scoring_url = settings.gateway.url or "", settings.scoring.url or ""
+    api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else ""
+    if deps.transport is not None:
+        gateway.client = build_client(  # type: ignore[attr-defined]
+            gateway_url,
+            timeout_s=5,
+            max_connections=100,
+            headers={"Authorization": f"Bearer {api_key}"},
+            transport=deps.transport,
+        )
+    scoring = ScoringClient(settings.scoring, transport=deps.transport)
     metrics = Metrics(CollectorRegistry())
     failpoints = Failpoints("")
     pipeline = Pipeline(
-        Ledger(pool, lease_s=settings.worker.lease_s),  # type: ignore[arg-type]
+        Ledger(deps.worker_pool, lease_s=settings.worker.lease_s),
         gateway,
         scoring,
         owner="overhead",
@@ -166,14 +215,14 @@ async def measure(rounds: int, batch: int) -> None:
     )
     bare = BarePipeline(
         config,
-        pool,  # type: ignore[arg-type]
-        build_client("http://scoring", timeout_s=5, max_connections=100, transport=answers),
+        deps.bare_pool,
+        build_client(scoring_url, timeout_s=5, max_connections=100, transport=deps.transport),
         build_client(
-            "http://gateway",
+            gateway_url,
             timeout_s=5,
             max_connections=100,
-            headers={"Authorization": "Bearer sk"},
-            transport=answers,
+            headers={"Authorization": f"Bearer {api_key}"},
+            transport=deps.transport,
         ),
     )
     next_seq = 0
@@ -208,25 +257,36 @@ async def measure(rounds: int, batch: int) -> None:
     print(
         f"worker {ratio * bare_us:,.1f} us/charge, bare {bare_us:,.1f} us/charge: "
         f"ratio {ratio:.3f}, extra {extra:,.1f} us ({rounds} pairs of {batch} charges, "
-        f"medians; {os.path.dirname(sys.modules['charge_worker'].__file__ or '')})"
+        f"medians; {'fake' if deps.transport else 'real'} I/O; "
+        f"{os.path.dirname(sys.modules['charge_worker'].__file__ or '')})"
     )
+    await gateway.aclose()
+    await scoring.aclose()
+    await bare.scoring.aclose()
+    await bare.gateway.aclose()
+
+
+async def run(args: argparse.Namespace, stack: Stack | None) -> None:
+    dependencies = faked() if stack is None else real(stack)
+    async with dependencies as deps:
+        await measure(deps, args.rounds, args.batch)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=100, help="alternating pairs of batches")
     parser.add_argument("--batch", type=int, default=160, help="charges per batch")
+    parser.add_argument("--fake-io", action="store_true", help="canned answers, no servers")
     args = parser.parse_args()
-    os.environ.update(FAKE_ENV)
-    settings = load_settings()
-    with open(os.devnull, "w") as devnull:  # the canonical lines are written, to nowhere
-        sys.stderr = devnull
-        logs.configure(settings.log)
+    with contextlib.ExitStack() as stack:
+        work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        servers = None if args.fake_io else stack.enter_context(Stack(work_dir))
+        devnull = stack.enter_context(open(os.devnull, "w"))
+        sys.stderr = devnull  # the canonical lines are written, to nowhere
+        stack.callback(setattr, sys, "stderr", sys.__stderr__)
+        logs.configure(LogSettings(log_format="json"))
         gc.freeze()  # as `charge-worker run` does
-        try:
-            event_loop.run(measure(args.rounds, args.batch))
-        finally:
-            sys.stderr = sys.__stderr__
+        event_loop.run(run(args, servers))
 
 
 if __name__ == "__main__":
