@@ -8,7 +8,7 @@ collectors (`process_*`, `python_gc_*`, `python_info`) the client's default regi
 What every delivery counts (the labelled counters, the processing time) is kept in plain
 integers by `Tally` and `Timings` and turned into samples when the registry is read:
 prometheus_client's `Counter` and `Histogram` take a lock and make three calls or more on
-every update, six times per charge. The exposition is the same, `_created` included.
+every update, five times per charge. The exposition is the same, `_created` included.
 """
 
 from __future__ import annotations
