@@ -43,7 +43,7 @@ from benchmarks.load import due_body
 from benchmarks.stack import Stack
 from charge_worker import event_loop, logs
 from charge_worker.database import create_pool, keep_session
-from charge_worker.gateway import build_gateway
+from charge_worker.gateway.contract import ContractGateway
 from charge_worker.http import build_client
 from charge_worker.ledger import Ledger
 from charge_worker.scoring import ScoringClient
@@ -168,17 +168,10 @@ async def real(stack: Stack) -> AsyncIterator[Dependencies]:
 async def measure(deps: Dependencies, rounds: int, batch: int) -> None:
     settings = load_settings()
     nowhere = Nowhere()
-    gateway = build_gateway(settings.gateway)
+    # the bench's adapter; its `transport` is the one seam for canned answers
+    gateway = ContractGateway(settings.gateway, transport=deps.transport)
     gateway_url, scoring_url = settings.gateway.url or "", settings.scoring.url or ""
     api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else ""
-    if deps.transport is not None:
-        gateway.client = build_client(  # type: ignore[attr-defined]
-            gateway_url,
-            timeout_s=5,
-            max_connections=100,
-            headers={"Authorization": f"Bearer {api_key}"},
-            transport=deps.transport,
-        )
     scoring = ScoringClient(settings.scoring, transport=deps.transport)
     metrics = Metrics(CollectorRegistry())
     failpoints = Failpoints("")
