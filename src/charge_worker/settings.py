@@ -20,7 +20,16 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from charge_worker.errors import SettingsError
 
 ENV_PREFIX = "CHARGE_WORKER_"
+# A lease outlives the request that can move money by this much: time for the gateway to
+# finish a request whose client gave up, and for the deadline's own timer to fire.
 LEASE_MARGIN_S = 5.0
+# ... and leaves this much for renewing the lease right before that request (one fenced
+# UPDATE); a renewal slower than that sends nothing.
+LEASE_RENEWAL_S = 1.0
+GatewayKind = Literal["contract", "stripe"]
+# The most requests one charge makes, per adapter: Stripe reads the customer's saved card
+# (its invoice default, else a list of its cards) before the PaymentIntent.
+REQUESTS_PER_CHARGE: dict[GatewayKind, int] = {"contract": 1, "stripe": 3}
 
 
 def _alias(env: str, field: str) -> Any:
@@ -117,9 +126,7 @@ class GatewaySettings(_EnvGroup):
     """The payment gateway client: which adapter (`GATEWAY_KIND`), where, and how hard."""
 
     # `contract`: the project's own API (contracts/gateway.md); `stripe`: Stripe's
-    kind: Literal["contract", "stripe"] = Field(
-        "contract", validation_alias=AliasChoices("GATEWAY_KIND", "kind")
-    )
+    kind: GatewayKind = Field("contract", validation_alias=AliasChoices("GATEWAY_KIND", "kind"))
     url: str | None = _alias("GATEWAY_URL", "url")
     api_key: SecretStr | None = _alias("GATEWAY_API_KEY", "api_key")
     gateway_timeout_s: float = Field(10.0, gt=0)
@@ -240,19 +247,23 @@ class Settings(BaseModel):
                 f"is {self.heartbeat_s:g}s but must be at most half the shortest ack wait "
                 f"({self.shortest_ack_wait_s:g}s), or messages in progress get redelivered",
             )
-        needed = self.scoring.scoring_timeout_s + 2 * self.gateway.gateway_timeout_s
+        gateway = self.gateway
+        requests = REQUESTS_PER_CHARGE[gateway.kind]
+        needed = self.scoring.scoring_timeout_s + (1 + requests) * gateway.gateway_timeout_s
         if worker.processing_budget_s < needed:
             raise _Rule(
                 "CHARGE_WORKER_PROCESSING_BUDGET_S",
                 f"is {worker.processing_budget_s:g}s but one message may need {needed:g}s "
-                "(scoring timeout + gateway lookup + gateway charge)",
+                f"(scoring timeout + gateway lookup + the {requests} request(s) of a "
+                f"{gateway.kind} charge)",
             )
-        if worker.lease_s < self.gateway.gateway_timeout_s + LEASE_MARGIN_S:
+        if worker.lease_s < gateway.gateway_timeout_s + LEASE_MARGIN_S + LEASE_RENEWAL_S:
             raise _Rule(
                 "CHARGE_WORKER_LEASE_S",
                 f"is {worker.lease_s:g}s but must outlive CHARGE_WORKER_GATEWAY_TIMEOUT_S "
-                f"({self.gateway.gateway_timeout_s:g}s) by {LEASE_MARGIN_S:g}s, so a taken-over "
-                "row's earlier gateway call has finished",
+                f"({gateway.gateway_timeout_s:g}s) by {LEASE_MARGIN_S + LEASE_RENEWAL_S:g}s, so "
+                "a lease renewed before a charge request outlives it by "
+                f"{LEASE_MARGIN_S:g}s and a taken-over row's earlier request has finished",
             )
         if nats.max_ack_pending < worker.concurrency:
             raise _Rule(

@@ -36,7 +36,7 @@ import datetime as dt
 import itertools
 import sys
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import asyncpg
@@ -289,7 +289,15 @@ class Port:
         self.flight.looked_up = True
         return found
 
-    async def charge(self, charge: ChargeDue, *, traceparent: str | None = None) -> ChargeResult:
+    async def charge(
+        self,
+        charge: ChargeDue,
+        *,
+        traceparent: str | None = None,
+        before_send: Callable[[], Awaitable[None]] | None = None,
+    ) -> ChargeResult:
+        if before_send is not None:
+            await before_send()
         await self.model.check_call_may_start(self.flight)
         how = await self._park("send")
         if self.flight.timed_out:  # landed or not when time passed; no late arrival

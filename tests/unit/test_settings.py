@@ -86,6 +86,21 @@ BROKEN = [
     ({"CHARGE_WORKER_HEARTBEAT_S": "20"}, "CHARGE_WORKER_HEARTBEAT_S"),
     ({"CHARGE_WORKER_PROCESSING_BUDGET_S": "15"}, "CHARGE_WORKER_PROCESSING_BUDGET_S"),
     ({"CHARGE_WORKER_LEASE_S": "12"}, "CHARGE_WORKER_LEASE_S"),
+    # no time left to renew the lease before the charge request (the review's finding)
+    ({"CHARGE_WORKER_LEASE_S": "15"}, "CHARGE_WORKER_LEASE_S"),
+    (
+        {
+            "GATEWAY_KIND": "stripe",
+            "CHARGE_WORKER_GATEWAY_TIMEOUT_S": "12",
+            "CHARGE_WORKER_LEASE_S": "17",
+        },
+        "CHARGE_WORKER_LEASE_S",
+    ),
+    # a Stripe charge is up to three requests: 2 + (1 + 3) x 10 s
+    (
+        {"GATEWAY_KIND": "stripe", "CHARGE_WORKER_PROCESSING_BUDGET_S": "30"},
+        "CHARGE_WORKER_PROCESSING_BUDGET_S",
+    ),
     ({"CHARGE_WORKER_MAX_ACK_PENDING": "8"}, "CHARGE_WORKER_MAX_ACK_PENDING"),
     ({"CHARGE_WORKER_DUPLICATE_WINDOW_S": "60"}, "CHARGE_WORKER_DUPLICATE_WINDOW_S"),
     ({"CHARGE_WORKER_DB_POOL_MIN": "20"}, "CHARGE_WORKER_DB_POOL_MAX"),

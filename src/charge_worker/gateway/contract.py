@@ -36,7 +36,7 @@ from charge_worker.errors import (
     RateLimited,
     RequestInProgress,
 )
-from charge_worker.gateway.guard import Guarded, never_sent, retry_after
+from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent, retry_after
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
 from charge_worker.http import build_client
@@ -78,7 +78,13 @@ class ContractGateway(Guarded):
         """Release the connections."""
         await self.client.aclose()
 
-    async def charge(self, charge: ChargeDue, *, traceparent: str | None = None) -> ChargeResult:
+    async def charge(
+        self,
+        charge: ChargeDue,
+        *,
+        traceparent: str | None = None,
+        before_send: BeforeSend | None = None,
+    ) -> ChargeResult:
         """Charge once per key; raise the domain error the answer stands for."""
         headers = {"Idempotency-Key": charge.key}
         if traceparent:
@@ -92,7 +98,9 @@ class ContractGateway(Guarded):
                 "billing_period": charge.billing_period.isoformat(),
             },
         }
-        response = await self._send("POST", "/v1/charges", json=body, headers=headers)
+        response = await self._send(
+            "POST", "/v1/charges", json=body, headers=headers, before_send=before_send
+        )
         if response.status_code == 200:
             data = _json(response)
             if not isinstance(data.get("id"), str) or data.get("status") != "succeeded":
@@ -172,7 +180,9 @@ class ContractGateway(Guarded):
             raise OutcomeUnknown(f"unreadable charge list: {error!r}") from error
         return HistoryPage(charges, bool(data.get("has_more")))
 
-    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, *, before_send: BeforeSend | None = None, **kwargs: Any
+    ) -> httpx.Response:
         async def request() -> httpx.Response:
             try:
                 response = await self.client.request(method, path, **kwargs)
@@ -188,7 +198,7 @@ class ContractGateway(Guarded):
                 raise refused  # inside the breaker: it counts
             return response
 
-        return await self.guarded(f"{method} {path}", request)
+        return await self.guarded(f"{method} {path}", request, before_send=before_send)
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

@@ -1,6 +1,12 @@
 """What every adapter's request goes through, whatever the provider: a token of the fleet's
 rate, the breaker, a hard total deadline.
 
+The request of a charge that can move money (the one that carries the idempotency key) is
+sent with `before_send`: awaited once its token is taken, right before the request starts,
+so the worker proves there that its lease outlives the request's deadline (`BeforeSend`).
+Nothing the adapter did before it (reads, token waits, however slow) can then push the
+request past the lease.
+
 A call is `with breaker: await …`, under a deadline (`charge_worker.deadline`; a client's
 own timeout bounds each phase, not the whole call). The request passed in translates its
 driver's errors into domain errors itself, inside the breaker, so that an `OutcomeUnknown` or
@@ -22,10 +28,12 @@ from charge_worker.deadline import Deadlines
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
 from charge_worker.http import build_breaker
 from charge_worker.ratelimit import RateLimiter
-from charge_worker.settings import GatewaySettings
+from charge_worker.settings import REQUESTS_PER_CHARGE, GatewaySettings
 
 T = TypeVar("T")
 DEFAULT_RETRY_AFTER_S = 1.0
+# awaited right before the request that can move money starts; raises to send nothing
+BeforeSend = Callable[[], Awaitable[None]]
 
 
 class Guarded:
@@ -33,10 +41,10 @@ class Guarded:
     `breaker` and `limiter` to stop fetching while the provider is down or the fleet's rate
     is spent)."""
 
-    requests_per_charge = 1  # the requests one `charge()` makes, each under the deadline
-
     def __init__(self, cfg: GatewaySettings, *, limiter: RateLimiter | None) -> None:
         self.timeout_s = cfg.gateway_timeout_s
+        # the most requests one `charge()` makes (settings.REQUESTS_PER_CHARGE), for the budget
+        self.requests_per_charge = REQUESTS_PER_CHARGE[cfg.kind]
         self.breaker = build_breaker(
             "gateway", fail_max=cfg.gateway_breaker_failures, reset_s=cfg.gateway_breaker_reset_s
         )
@@ -46,8 +54,9 @@ class Guarded:
 
     @property
     def charge_deadline_s(self) -> float:
-        """The longest one `charge()` may take, its token waits aside."""
-        return self.requests_per_charge * self.timeout_s
+        """The longest the request that can move money may take once `before_send` let it
+        go: one request's deadline, whatever the adapter read or waited for before it."""
+        return self.timeout_s
 
     @property
     def available(self) -> bool:
@@ -55,14 +64,24 @@ class Guarded:
         return self.breaker.open_for_s() == 0.0
 
     async def guarded(
-        self, what: str, request: Callable[[], Awaitable[T]], *, success_counts: bool = True
+        self,
+        what: str,
+        request: Callable[[], Awaitable[T]],
+        *,
+        success_counts: bool = True,
+        before_send: BeforeSend | None = None,
     ) -> T:
         """Spend a token, then run `request` inside the breaker under the deadline.
+
+        `before_send` is awaited after the token and before the request: what it raises
+        propagates, nothing sent, the breaker untouched.
 
         `success_counts=False`: a read that a charge makes first (Stripe's saved card) must
         not close the breaker's count of the charge calls failing after it, or an outage of
         charges alone would never open it; its failures still count."""
         await self.limiter.spend()
+        if before_send is not None:
+            await before_send()
         try:
             if success_counts or self.breaker.state != "closed":
                 with self.breaker:

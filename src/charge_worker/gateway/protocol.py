@@ -13,6 +13,8 @@ need of a payment provider, and what every adapter guarantees (docs/adapters.md)
 | `retrieve` | the charge object now, by the provider's id (webhooks that carry no        |
 |            | revision are applied from it)                                              |
 
+A charge may make reads first (Stripe: the saved card); its one request that can move money
+is preceded by `before_send`, so the worker checks its lease against that request alone.
 Every request spends a token of the fleet's rate (`limiter`) and goes through the
 breaker (`breaker`), under a hard total deadline; an unknown outcome or an unreachable
 provider counts toward the breaker, a verdict (a decline, a rejection, a 409, a 429)
@@ -22,14 +24,17 @@ does not. `probe` is a cheap read that lets an open breaker close.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Awaitable, Callable
 from typing import Literal, Protocol
 
 from charge_worker.breaker import Breaker
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
+from charge_worker.settings import GatewayKind
 
-GatewayKind = Literal["contract", "stripe"]
+__all__ = ["Gateway", "GatewayKind", "HistoryOrder", "WebhookScheme"]
+
 HistoryOrder = Literal["oldest_first", "newest_first"]
 WebhookScheme = Literal["standard", "stripe"]
 
@@ -47,15 +52,25 @@ class Gateway(Protocol):
 
     @property
     def charge_deadline_s(self) -> float:
-        """The longest one `charge()` may take: the worker starts one only while its lease
-        on the charge outlives that (ledger.Claim.outlives)."""
+        """The longest the request that can move money may take once `before_send` let it
+        go: the worker lets it go only while its lease outlives that (ledger.Claim.outlives)."""
 
     @property
     def available(self) -> bool:
         """False while the breaker is open: callers should stop taking work."""
 
-    async def charge(self, charge: ChargeDue, *, traceparent: str | None = None) -> ChargeResult:
-        """Charge once per key; raise the domain error the answer stands for."""
+    async def charge(
+        self,
+        charge: ChargeDue,
+        *,
+        traceparent: str | None = None,
+        before_send: Callable[[], Awaitable[None]] | None = None,
+    ) -> ChargeResult:
+        """Charge once per key; raise the domain error the answer stands for.
+
+        `before_send` is awaited once, right before the one request that can move money
+        starts (after its rate-limit token, after any read the adapter makes first); what it
+        raises propagates and nothing is sent."""
 
     async def lookup(
         self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None

@@ -20,7 +20,7 @@ project's own HTTP client, its retries off: the worker retries, with the same ke
 | `retrieve` | `GET /v1/payment_intents/{id}?expand[]=latest_charge`                     |
 
 The charge id the ledger records is the PaymentIntent's (`pi_…`). How each answer maps:
-`stripe_mapping.py`. Every request (a charge is two) spends a token of the fleet's rate.
+`stripe_mapping.py`. Every request (a charge is up to three) spends a token of the fleet's rate.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from charge_worker.errors import (
     SettingsError,
 )
 from charge_worker.gateway import stripe_mapping as mapping
-from charge_worker.gateway.guard import Guarded
+from charge_worker.gateway.guard import BeforeSend, Guarded
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
 from charge_worker.gateway.stripe_http import OwnedHTTPClient
@@ -64,7 +64,6 @@ class StripeGateway(Guarded):
     kind: GatewayKind = "stripe"
     history_order: HistoryOrder = "newest_first"
     webhook_scheme: WebhookScheme = "stripe"
-    requests_per_charge = 2  # the customer's saved card, then the PaymentIntent
 
     def __init__(
         self,
@@ -100,8 +99,15 @@ class StripeGateway(Guarded):
         """Release the connections."""
         await self.http.close_async()
 
-    async def charge(self, charge: ChargeDue, *, traceparent: str | None = None) -> ChargeResult:
-        """An off-session PaymentIntent with the customer's saved card, confirmed at once."""
+    async def charge(
+        self,
+        charge: ChargeDue,
+        *,
+        traceparent: str | None = None,
+        before_send: BeforeSend | None = None,
+    ) -> ChargeResult:
+        """An off-session PaymentIntent with the customer's saved card, confirmed at once:
+        up to three requests, `before_send` awaited before the last (the one that charges)."""
         card = await self._saved_card(charge.customer_id)
         if card is None:
             return ChargeResult("declined", None, decline_code=NO_PAYMENT_METHOD)
@@ -132,7 +138,7 @@ class StripeGateway(Guarded):
             )
             return mapping.charge_result(intent.to_dict(), replayed=replayed)
 
-        return await self._call("POST /v1/payment_intents", create)
+        return await self._call("POST /v1/payment_intents", create, before_send=before_send)
 
     async def _saved_card(self, customer: str) -> str | None:
         """The customer's default payment method, else its newest card, else None."""
@@ -264,6 +270,7 @@ class StripeGateway(Guarded):
         *,
         absent_ok: bool = False,
         read: bool = False,
+        before_send: BeforeSend | None = None,
     ) -> T:
         """`request` under the guard, its SDK errors translated inside the breaker.
         `absent_ok`: a 404 `resource_missing` is Stripe's answer about the object in the
@@ -278,7 +285,9 @@ class StripeGateway(Guarded):
                     raise _Missing(what) from error  # an answer: no breaker count
                 raise mapping.domain_error(error) from error
 
-        return await self.guarded(what, translated, success_counts=not read)
+        return await self.guarded(
+            what, translated, success_counts=not read, before_send=before_send
+        )
 
 
 class _Missing(GatewayRejected):

@@ -9,10 +9,11 @@ Neither touches the message itself (consumer.py does).
 The claim in the ledger comes before any side effect; the gateway's idempotency key is the
 second barrier; a row whose earlier gateway call may have charged with no outcome recorded
 (one is counted, or the lease taken over may have died mid-call) is looked up before
-anything is sent again. A charge is sent only while the claim's lease outlives the call
-(`Claim.outlives`; a slow delivery renews it first): no other write precedes it, and the
-write that records what the delivery came to also counts the call and keeps the verdict it
-was made under (`Attempted`).
+anything is sent again. The request that can move money starts only while the claim's
+lease outlives it (`Claim.outlives`, checked by the adapter's `before_send` hook after any
+read or rate-limit wait of its own; a slow delivery renews the lease there, fenced): no
+other write precedes it, and the write that records what the delivery came to also counts
+the call and keeps the verdict it was made under (`Attempted`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from charge_worker.gateway import AUTHENTICATION_REQUIRED, CARD_DECLINED, Gatewa
 from charge_worker.ledger import Attempted, Claim, Ledger, Scoring, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
+from charge_worker.settings import LEASE_RENEWAL_S
 from charge_worker.worker.decisions import (
     Action,
     DeadLetter,
@@ -230,9 +232,6 @@ class Pipeline:
                 return Result(Outcome.BLOCKED)
             else:
                 scoring = "approved"
-        if not claim.outlives(self.ledger.clock(), self.gateway.charge_deadline_s):
-            # slow scoring or lookup: renew the lease (fenced) rather than call on what is left
-            claim = done.claim = await self.ledger.extend(claim)
         done.verdict, done.deferred_reason = scoring, deferred_reason
         return await self._call_gateway(done, charge)
 
@@ -257,11 +256,18 @@ class Pipeline:
         return verdict
 
     async def _call_gateway(self, done: Processed, charge: ChargeDue) -> Result:
-        self.failpoints.hit("before_gateway_call")
-        done.called = True
+        async def before_send() -> None:
+            await self._keep_lease(done, self.gateway.charge_deadline_s)
+            self.failpoints.hit("before_gateway_call")
+            done.called = True
+
         try:
             with tracing.span("charge.gateway"):
-                answer = await self.gateway.charge(charge, traceparent=done.delivery.traceparent)
+                answer = await self.gateway.charge(
+                    charge, traceparent=done.delivery.traceparent, before_send=before_send
+                )
+        except LeaseHeld:
+            raise  # from `before_send`: the lease could not be kept, nothing was sent
         except ChargeWorkerError as error:
             self._gateway_answered(done, result_of(error).outcome.value)
             if error.outcome == Outcome.REJECTED:
@@ -282,6 +288,21 @@ class Pipeline:
             "declined", error=answer.decline_code, decline_code=answer.decline_code
         )
         return Result(Outcome.DECLINED)
+
+    async def _keep_lease(self, done: Processed, call_s: float) -> None:
+        """Right before the request that can move money: the lease must outlive that request
+        (and the margin), whatever came before it (scoring, a lookup, the adapter's reads,
+        rate-limit waits). Renew it (fenced) when it no longer does, and send nothing when
+        even the renewed lease does not."""
+        assert done.claim is not None
+        if done.claim.outlives(self.ledger.clock(), call_s):
+            return
+        done.claim = await self.ledger.extend(done.claim)
+        if not done.claim.outlives(self.ledger.clock(), call_s):
+            raise LeaseHeld(
+                "the lease was renewed too slowly to outlive the charge request",
+                retry_after_s=LEASE_RENEWAL_S,
+            )
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
         done.notes["gateway"] = label
