@@ -257,3 +257,20 @@ async def test_a_charge_shows_its_refund_and_whether_money_is_still_captured() -
         (True, True),
         (True, False),
     ]
+
+
+@pytest.mark.parametrize("amount_refunded", [None, 0, 1000])
+async def test_refunded_true_means_in_full_whatever_amount_refunded_says(
+    amount_refunded: int | None,
+) -> None:
+    """Issue 34, item 12: `refunded: true` without `amount_refunded` (or with less than the
+    amount) holds no money, or reconcile refunds it again on every run."""
+    meta = {"order_id": "48291", "billing_period": "2026-09-01"}
+    charge = {**OK, "id": "ch_r", "metadata": meta, "refunded": True}
+    if amount_refunded is not None:
+        charge["amount_refunded"] = amount_refunded
+    gw = client(answer(200, {"data": [charge], "has_more": False}))
+
+    [found] = await gw.lookup(48291, dt.date(2026, 9, 1))
+
+    assert (found.amount_refunded, found.refunded, found.captured) == (99000, True, False)

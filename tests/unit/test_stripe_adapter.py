@@ -372,6 +372,22 @@ async def test_history_is_a_window_newest_first_with_the_refunds() -> None:
     assert page.charges[0].fingerprint == "99000 EUR cus_42"
 
 
+@pytest.mark.parametrize(
+    "latest_charge",
+    [{"id": "ch_1", "refunded": True}, {"id": "ch_1", "refunded": True, "amount_refunded": 10}],
+)
+async def test_a_charge_refunded_true_holds_no_money_whatever_amount_refunded_says(
+    latest_charge: dict[str, Any],
+) -> None:
+    """Issue 34, item 12: `refunded: true` is a refund in full."""
+    gw = adapter(lambda _: httpx.Response(200, json=intent(latest_charge=latest_charge)))
+
+    found = await gw.retrieve("pi_1")
+
+    assert found is not None
+    assert (found.amount_refunded, found.refunded, found.captured) == (99000, True, False)
+
+
 async def test_a_refund_names_the_intent_and_its_reason_and_is_keyed_by_it() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.headers["Idempotency-Key"] == "refund:pi_1"

@@ -46,8 +46,9 @@ class GatewayCharge:
     `status` is `succeeded` (money taken, refunded since or not), `failed` (declined),
     `processing` (accepted, the bank settles it later) or `incomplete` (made nothing and
     will not by itself). A refunded charge keeps `status == "succeeded"`
-    (contracts/gateway.md, "Refunds"): `amount_refunded` and `refunded` show the refund,
-    and `captured` says whether money is still held by it. `currency` is upper case, as
+    (contracts/gateway.md, "Refunds"): `amount_refunded` and `refunded` show the refund
+    (`refunded` is in full: `amount_refunded` is then the amount, whatever was said), and
+    `captured` says whether money is still held by it. `currency` is upper case, as
     the ledger spells it.
     """
 
@@ -62,6 +63,13 @@ class GatewayCharge:
     amount_refunded: int = 0
     refunded: bool = False
     decline_code: str | None = None  # of a failed one, when the provider says
+
+    def __post_init__(self) -> None:
+        # `refunded` means refunded in full: a provider that says so without
+        # `amount_refunded` (or with less) must not leave the charge holding money, or
+        # reconcile refunds it again on every run
+        if self.refunded and self.amount_refunded < self.amount:
+            object.__setattr__(self, "amount_refunded", self.amount)
 
     @property
     def charged(self) -> bool:
