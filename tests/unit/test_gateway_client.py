@@ -12,6 +12,7 @@ from pydantic import SecretStr
 
 from charge_worker import errors
 from charge_worker.gateway import ChargeResult, ContractGateway
+from charge_worker.gateway.contract import LOOKUP_MAX_PAGES
 from charge_worker.messages import ChargeDue
 from charge_worker.settings import GatewaySettings
 
@@ -274,3 +275,47 @@ async def test_refunded_true_means_in_full_whatever_amount_refunded_says(
     [found] = await gw.lookup(48291, dt.date(2026, 9, 1))
 
     assert (found.amount_refunded, found.refunded, found.captured) == (99000, True, False)
+
+
+async def test_a_lookup_pages_through_every_charge_of_the_key() -> None:
+    """Issue 34, item 9: a key with more than a page of charges has its later doubles found."""
+    meta = {"order_id": "48291", "billing_period": "2026-09-01"}
+    pages = {
+        None: ([{**OK, "id": "ch_1", "metadata": meta}], True),
+        "ch_1": ([{**OK, "id": "ch_2", "metadata": meta}], True),
+        "ch_2": ([{**OK, "id": "ch_3", "metadata": meta}], False),
+    }
+    seen: list[dict[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        params = dict(request.url.params)
+        seen.append(params)
+        data, has_more = pages[params.get("starting_after")]
+        return httpx.Response(200, json={"data": data, "has_more": has_more})
+
+    found = await client(handler).lookup(48291, dt.date(2026, 9, 1))
+
+    assert [c.id for c in found] == ["ch_1", "ch_2", "ch_3"]
+    key = {"order_id": "48291", "billing_period": "2026-09-01"}
+    assert [{k: p[k] for k in key} for p in seen] == [key, key, key]
+    assert [p.get("starting_after") for p in seen] == [None, "ch_1", "ch_2"]
+
+
+async def test_a_lookup_that_never_ends_stops_as_an_unknown_outcome() -> None:
+    count = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal count
+        count += 1
+        data = [{**OK, "id": f"ch_{count}"}]
+        return httpx.Response(200, json={"data": data, "has_more": True})
+
+    with pytest.raises(errors.OutcomeUnknown, match="pages"):
+        await client(handler).lookup(48291, dt.date(2026, 9, 1))
+    assert count == LOOKUP_MAX_PAGES
+
+
+async def test_a_lookup_told_more_follows_an_empty_page_knows_nothing() -> None:
+    gw = client(answer(200, {"data": [], "has_more": True}))
+    with pytest.raises(errors.OutcomeUnknown, match="empty page"):
+        await gw.lookup(48291, dt.date(2026, 9, 1))

@@ -45,6 +45,7 @@ from charge_worker.ratelimit import RateLimiter
 from charge_worker.settings import GatewaySettings, require
 
 IN_PROGRESS_RETRY_S = 2.0
+LOOKUP_MAX_PAGES = 20  # 2,000 charges of one key: something is wrong
 FINAL_ERROR_TYPES = frozenset({"invalid_request_error", "idempotency_error"})
 FINAL_ERROR_CODES = frozenset({"charge_already_refunded"})  # the contract gives it no type
 
@@ -115,10 +116,25 @@ class ContractGateway(Guarded):
     async def lookup(
         self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
     ) -> list[GatewayCharge]:
-        """Every charge the gateway holds for this key (normally 0 or 1); the contract
-        finds it by the key alone."""
+        """Every charge the gateway holds for this key (normally 0 or 1), every page of
+        them, oldest first; the contract finds them by the key alone."""
         params = {"order_id": str(order_id), "billing_period": billing_period.isoformat()}
-        return (await self._page(params)).charges
+        found: list[GatewayCharge] = []
+        for _ in range(LOOKUP_MAX_PAGES):
+            page = await self._page(params)
+            found += page.charges
+            if not page.has_more:
+                return found
+            if not page.charges:  # nothing to page on from: the rest is unknown
+                raise OutcomeUnknown(
+                    f"the gateway says more charges of {order_id}:"
+                    f"{billing_period} follow an empty page"
+                )
+            params["starting_after"] = page.charges[-1].id
+        raise OutcomeUnknown(
+            f"the gateway lists over {LOOKUP_MAX_PAGES} pages of charges for"
+            f" {order_id}:{billing_period}: the lookup stopped, nothing is known"
+        )
 
     async def history(
         self,
