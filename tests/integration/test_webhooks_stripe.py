@@ -153,3 +153,89 @@ async def test_a_wrong_signature_is_refused_and_other_event_types_are_not_journa
         assert await journal(db) == []
     finally:
         await db.close()
+
+
+async def journal_row(db: asyncpg.Connection, event_id: str) -> asyncpg.Record:
+    row = await db.fetchrow(
+        "SELECT status, attempts, last_error FROM webhook_inbox WHERE event_id = $1", event_id
+    )
+    assert row is not None
+    return row
+
+
+async def test_an_event_waiting_for_a_live_worker_lease_does_not_refetch_the_intent(
+    database_url: str, stripe_sim: Provider
+) -> None:
+    """Issue 34 item 4: the decision comes first; while a worker's live lease holds the row,
+    every try waits without asking the provider (month start: uncounted traffic)."""
+    db = await asyncpg.connect(database_url)
+    gateway = stripe_sim.gateway()
+    try:
+        made = await gateway.charge(due(3))  # no webhook URL yet: none sent
+        assert made.charge_id is not None
+        await add_row(db, 3, "pending", lease_s=600.0)
+        before = (await stripe_sim.stats())["requests"]
+        body = stripe_event(
+            "payment_intent.succeeded",
+            {
+                "id": made.charge_id,
+                "object": "payment_intent",
+                "status": "succeeded",
+                "metadata": {"order_id": "3", "billing_period": PERIOD.isoformat()},
+            },
+        )
+        event_id = json.loads(body)["id"]
+        async with running_receiver(stripe_settings(database_url, stripe_sim)) as receiver:
+            answer = await receiver.post(
+                body, headers={"Stripe-Signature": stripe_signature(SECRET, body)}
+            )
+            assert answer.status_code == 200, answer.text
+
+            async def waited_three_times() -> bool:
+                row = await journal_row(db, event_id)
+                return row["attempts"] >= 3 and row["status"] == "awaiting_dependency"
+
+            await eventually(waited_three_times, "three tries under the worker's lease")
+        row = await journal_row(db, event_id)
+        assert "lease" in row["last_error"]
+        assert (await stripe_sim.stats())["requests"] == before
+        assert (await ledger(db, 3))["status"] == "pending"
+    finally:
+        await gateway.aclose()
+        await db.close()
+
+
+async def test_the_refetch_spends_a_token_of_the_fleets_rate_limit(
+    database_url: str, stripe_sim: Provider
+) -> None:
+    """Issue 34 item 4: the webhook pods' gateway requests count against the fleet's bucket."""
+    db = await asyncpg.connect(database_url)
+    gateway = stripe_sim.gateway()
+    try:
+        made = await gateway.charge(due(4))
+        assert made.charge_id is not None
+        await add_row(db, 4, "pending")
+        settings = stripe_settings(database_url, stripe_sim)
+        limited = settings.gateway.model_copy(update={"gateway_rate_limit": 1000.0})
+        settings = settings.model_copy(update={"gateway": limited})
+        body = stripe_event(
+            "payment_intent.succeeded",
+            {
+                "id": made.charge_id,
+                "object": "payment_intent",
+                "metadata": {"order_id": "4", "billing_period": PERIOD.isoformat()},
+            },
+        )
+        event_id = json.loads(body)["id"]
+        async with running_receiver(settings) as receiver:
+            answer = await receiver.post(
+                body, headers={"Stripe-Signature": stripe_signature(SECRET, body)}
+            )
+            assert answer.status_code == 200, answer.text
+            await eventually(lambda: settled(db, event_id), "the event processed")
+        assert (await ledger(db, 4))["status"] == "succeeded"
+        bucket = await db.fetchval("SELECT count(*) FROM rate_buckets WHERE name = 'gateway'")
+        assert bucket == 1, "the re-fetch took no token from the fleet's bucket"
+    finally:
+        await gateway.aclose()
+        await db.close()

@@ -81,6 +81,17 @@ SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
    FOR UPDATE
 """
 
+# A live worker lease on the open row of the event's key (or, without one, of its charge):
+# the worker records what the gateway did, so the event waits without asking the provider.
+# A row that holds another charge is not waited on: that is a double charge to review now.
+_WORKER_LEASE = """
+SELECT status FROM charge_attempts
+ WHERE CASE WHEN $1::bigint IS NULL THEN gateway_charge_id = $3
+            ELSE order_id = $1 AND billing_period = $2 END
+   AND status IN ('scheduled', 'pending') AND lease_until > now()
+   AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)
+"""
+
 # the other events about this charge object: the newest revision applied, and journaled
 _NEWEST = """
 SELECT coalesce(max(revision) FILTER (WHERE status = 'applied'), 0) AS applied,
@@ -326,6 +337,21 @@ class Inbox:
                 key = (record["order_id"], record["billing_period"])
                 await held.story(key, status_of(decision), outcome, confirmed_status)
         return decision
+
+    async def held_by_worker(self, job: Job, owner: str, *, wait_s: float) -> Wait | None:
+        """A `Wait`, written as `awaiting_dependency` retried in `wait_s`, when a worker's
+        live lease holds the event's open row; None otherwise (decide as usual)."""
+        async with translated(), self.pool.acquire() as conn, conn.transaction():
+            status = await conn.fetchval(
+                _WORKER_LEASE, job.order_id, job.billing_period, job.charge_id
+            )
+            if status is None:
+                return None
+            wait = Wait(f"a worker holds the lease on this {status} charge", worker_owned=True)
+            await _Held(conn, job, owner).finish(
+                "awaiting_dependency", error=wait.why, delay_s=wait_s
+            )
+        return wait
 
     async def review(self, job: Job, owner: str, why: str) -> None:
         """Give up on the event: `needs_review`, with its reason in the charge's story."""

@@ -166,6 +166,14 @@ class Processor:
         try:
             fetched: GatewayCharge | None = None
             if self.gateway.webhook_scheme == "stripe":
+                # decided first: under a worker's live lease nothing fetched would change
+                # the wait, and each try would be a request against the account's limit
+                held = await self.inbox.held_by_worker(
+                    job, self.owner, wait_s=self.tuning.backoff_s(job.attempts)
+                )
+                if held is not None:
+                    self._count(job, held)
+                    return
                 fetched = await self.gateway.retrieve(job.charge_id)
                 if fetched is None:
                     why = f"the provider has no {job.charge_id}"

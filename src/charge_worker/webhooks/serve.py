@@ -31,6 +31,7 @@ from starlette.routing import Route
 from charge_worker import event_loop, http, privileges
 from charge_worker.database import create_pool
 from charge_worker.gateway import build_gateway
+from charge_worker.ratelimit import RateLimiter
 from charge_worker.settings import Settings
 from charge_worker.webhooks import connections
 from charge_worker.webhooks.inbox import Inbox
@@ -79,13 +80,15 @@ async def run_webhooks(
         listener = resources.enter_context(
             http.listen(cfg.webhook_host, cfg.webhook_port, setting="CHARGE_WORKER_WEBHOOK_PORT")
         )
-        gateway = build_gateway(settings.gateway)
-        resources.push_async_callback(gateway.aclose)
         receiver_pool = await create_pool(settings.db)
         resources.push_async_callback(receiver_pool.close)
         small = {"db_pool_min": 1, "db_pool_max": PROCESSOR_POOL_MAX}
         processor_pool = await create_pool(settings.db.model_copy(update=small))
         resources.push_async_callback(processor_pool.close)
+        # the processor's re-fetches and lookups spend the fleet's tokens, as the worker's do
+        limiter = RateLimiter(processor_pool, rate_per_s=settings.gateway.gateway_rate_limit)
+        gateway = build_gateway(settings.gateway, limiter=limiter)
+        resources.push_async_callback(gateway.aclose)
         processor = Processor(
             Inbox(processor_pool),
             gateway,
