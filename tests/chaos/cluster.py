@@ -46,7 +46,7 @@ CHAOS_SETTINGS: dict[str, Any] = {
     "ack_wait_s": 2.0,
     "backoff_s": (2.0, 2.0, 3.0, 3.0, 4.0),
     "max_deliver": 12,
-    "lease_s": 6.0,
+    "lease_s": 7.0,
     "gateway_timeout_s": 1.0,
     "processing_budget_s": 30.0,
     "drain_s": 5.0,

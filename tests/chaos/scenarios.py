@@ -92,7 +92,7 @@ SCENARIOS: tuple[Scenario, ...] = (
             "ack_wait_s": 1.0,
             "backoff_s": (1.0, 2.0, 3.0),
             "gateway_timeout_s": 10.0,
-            "lease_s": 15.0,
+            "lease_s": 16.0,
             "concurrency": 64,
             "processing_budget_s": 60.0,
         },
