@@ -882,3 +882,89 @@ async def test_a_charge_whose_ledger_row_was_lost_is_recorded_from_its_subscript
     assert (order_id, detail["charge_id"]) == (1, made)
     again = await run_reconcile(settings)
     assert (again.counts.adopted_rows, again.counts.refunds) == (0, 0)
+
+
+async def test_a_foreign_charge_does_not_resolve_an_unknown_outcome(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """A worker died with its call's outcome unknown; the lookup by metadata finds charges
+    someone else made with it (a support agent's for another customer, a verification
+    charge for another amount). Neither is the period's payment: each is reported for a
+    person, and the row stays pending and is re-published, so the due charge goes ahead."""
+    js = await provisioned(nc, settings)
+    agent = await charge_id(gateway_sim.url, 1, idempotency_key="support:1", customer="cus_x")
+    check = await charge_id(gateway_sim.url, 2, idempotency_key="verify:2", amount=100)
+    await put_row(conn, 1, "pending", gateway_calls=1, lease_s=EXPIRED_S)
+    await put_row(conn, 2, "pending", gateway_calls=1, lease_s=EXPIRED_S)
+    before = await charge_statuses(gateway_sim.url)
+
+    report = await run_reconcile(settings)
+
+    assert {f.key: f.action for f in report.findings["unknown_outcomes"]} == {
+        key(1): "not found: re-publish",
+        key(2): "not found: re-publish",
+    }
+    assert report.counts.unknown_resolved == 0
+    assert await ledger(conn) == {1: ("pending", None), 2: ("pending", None)}
+    assert report.counts.unmatched_charges == 2
+    unmatched = {f.order_id: f.detail["charges"] for f in report.findings["unmatched_charges"]}
+    assert unmatched == {1: [f"{agent} 99000 RUB cus_x"], 2: [f"{check} 100 RUB cus_ok"]}
+    assert {d["charge_id"] for _, d in await story(conn, "discrepancy")} == {agent, check}
+    assert await story(conn, "resolved") == []
+    assert report.counts.republished == 2  # the due charges go ahead
+    assert set(await _republished(js, settings, report)) == {key(1), key(2)}
+    assert await charge_statuses(gateway_sim.url) == before  # nothing refunded, nothing made
+
+
+async def test_a_foreign_charge_is_not_taken_for_a_lost_message_s_charge(
+    nc: Client, settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """A message acked while the ledger forgot the claim: the lookup finds only a charge
+    another integration made with our metadata for another amount. It is a person's; the
+    row is re-published, not recorded `succeeded` with it. Our own charge beside a foreign
+    one is recorded, and the foreign one reported."""
+    js = await provisioned(nc, settings)
+    await put_row(conn, 1, "scheduled")
+    await put_row(conn, 2, "scheduled")
+    await _published(conn, js, settings, 1)
+    await _published(conn, js, settings, 2)
+    foreign = await charge_id(gateway_sim.url, 1, idempotency_key="other-app:1", amount=4200)
+    other = await charge_id(gateway_sim.url, 2, idempotency_key="other-app:2", amount=4200)
+    made = await charge_id(gateway_sim.url, 2)
+    sub = await js.pull_subscribe_bind(durable=settings.nats.durable, stream=settings.nats.stream)
+    for msg in await sub.fetch(2, timeout=5):
+        await msg.ack_sync()
+
+    report = await run_reconcile(settings)
+
+    assert await ledger(conn) == {1: ("scheduled", None), 2: ("succeeded", made)}
+    assert (report.counts.adopted, report.counts.republished) == (1, 1)
+    assert [order for order, _ in await story(conn, "republished")] == [1]
+    assert report.counts.unmatched_charges == 2
+    unmatched = {f.order_id: f.detail["charges"] for f in report.findings["unmatched_charges"]}
+    assert unmatched == {1: [f"{foreign} 4200 RUB cus_ok"], 2: [f"{other} 4200 RUB cus_ok"]}
+    assert (await charge_statuses(gateway_sim.url))[foreign] == "succeeded"
+
+
+async def test_a_foreign_charge_on_the_history_for_an_open_row_is_reported(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """The history shows the only charge of a key whose row a live worker holds, made an
+    hour ago for another amount: not the worker's charge it has not recorded yet, but one
+    someone else made with our metadata. Reported for a person at once; the row is left to
+    its worker."""
+    an_hour_ago = int(time.time()) - 3600
+    async with httpx.AsyncClient(base_url=gateway_sim.url) as client:
+        body = {"first_order_id": 1, "count": 1, "billing_period": PERIOD.isoformat()}
+        body |= {"amount": 100, "customer_prefix": "cus_ok_", "created": an_hour_ago}
+        assert (await client.post("/_sim/charges/load", json=body)).status_code == 200
+    await put_row(conn, 1, "pending", gateway_calls=1, lease_s=LIVE_S, customer="cus_ok_1")
+
+    report = await run_reconcile(settings)
+
+    [found] = report.findings["unmatched_charges"]
+    assert found.detail == {
+        "ledger": "pending 99000 RUB cus_ok_1",
+        "charges": [f"ch_load_1_{PERIOD.isoformat()} 100 RUB cus_ok_1"],
+    }
+    assert await ledger(conn) == {1: ("pending", None)}

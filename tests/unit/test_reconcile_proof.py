@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from charge_worker.gateway import GatewayCharge
-from charge_worker.reconcile.proof import Doubles, LedgerRow, doubles, unrecorded
+from charge_worker.reconcile.proof import Doubles, LedgerRow, Split, doubles, split, unrecorded
 
 OURS = "99000 RUB cus_ok"
 
@@ -71,3 +71,11 @@ def test_a_refunded_charge_is_made_but_holds_no_money() -> None:
     assert (partly.charged, partly.captured) == (True, True)
     assert (declined.charged, declined.captured) == (False, False)
     assert A.fingerprint == OURS
+
+
+def test_a_lookup_for_an_open_row_keeps_only_the_charges_that_match_it() -> None:
+    declined = GatewayCharge("ch_no", "failed", 99000, "RUB", "cus_ok", "1", "2026-12-01", 1)
+    declined_other = GatewayCharge("ch_x", "failed", 100, "RUB", "cus_ok", "1", "2026-12-01", 1)
+    found = [OTHER_AMOUNT, declined_other, A, OTHER_CUSTOMER, declined]
+    assert split(found, row("pending")) == Split([A, declined], [OTHER_AMOUNT, OTHER_CUSTOMER])
+    assert split([OTHER_AMOUNT], row("pending")) == Split([], [OTHER_AMOUNT])

@@ -13,7 +13,9 @@ person is decided in `proof.py`. In order, as the sweeps ran before:
 | any, > 1 charge captured       | the kept one recorded if the row is open; the proven  |
 |                                | doubles refunded                                      |
 | declined, failed, blocked      | the matching charge is recorded                       |
-| any                            | charges not proven the key's: reported for a person   |
+| any                            | charges not proven the key's (another amount,         |
+|                                | currency or customer): reported for a person, never   |
+|                                | recorded; an open row stays open for the due charge   |
 """
 
 from __future__ import annotations
@@ -62,13 +64,6 @@ INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscrip
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'succeeded', $9, $9, now())
 ON CONFLICT DO NOTHING
 RETURNING 1
-"""
-
-# One `discrepancy` event per charge, not one per run every 15 minutes.
-_REPORTED = """
-SELECT EXISTS (SELECT 1 FROM charge_events
-                WHERE order_id = $1 AND billing_period = $2 AND kind = 'discrepancy'
-                  AND detail->>$3 = $4)
 """
 
 
@@ -124,6 +119,11 @@ async def _decide(run: Sweeper, conn: Db, key: Key, found: list[GatewayCharge]) 
         left = [c for c in captured if c.id not in refunded]
         with run.each("unrecorded_charges", name):
             person |= await _unrecorded(run, conn, key, left)
+    elif ledger is not None and row is not None and len(captured) < 2:
+        # one charge, not the row's: someone else's with our metadata, never the payment
+        with run.each("unmatched_charges", name):
+            foreign = proof.split(captured, ledger).foreign
+            person |= await run.for_a_person(conn, key, ledger, foreign)
     recorded: str | None = row["gateway_charge_id"] if row is not None else None
     if (
         row is not None
@@ -149,9 +149,9 @@ async def _forgotten(
     sub = await conn.fetchrow(_SUBSCRIPTION, key[0])
     schedule = sub and (sub["anchor"], sub["billing_interval"], sub["billing_interval_count"])
     if sub is None or not schedule or not on_schedule(schedule[0], key[1], *schedule[1:]):
-        return await _unmatched(run, conn, key, None, captured), None
+        return await run.for_a_person(conn, key, None, captured), None
     matching = [c for c in captured if c.fingerprint == sub["fingerprint"]]
-    person = await _unmatched(run, conn, key, None, [c for c in captured if c not in matching])
+    person = await run.for_a_person(conn, key, None, [c for c in captured if c not in matching])
     if not matching:
         return person, None
     charge = matching[0]  # the earliest; a later matching one is a double, refunded next
@@ -193,7 +193,7 @@ async def _double(
     done). Charges not proven the key's are unmatched. `ledger` is the row's proof (a dry
     run's row that would have been recorded, when `row` is None)."""
     sorted_out = proof.doubles(captured, ledger)
-    person = await _unmatched(run, conn, key, ledger, sorted_out.unmatched)
+    person = await run.for_a_person(conn, key, ledger, sorted_out.unmatched)
     keep, extras = sorted_out.keep, [c.id for c in sorted_out.refund]
     if keep is None or not extras:  # refunded since the page was read, or not ours to judge
         return person
@@ -253,7 +253,7 @@ async def _unrecorded(run: Sweeper, conn: Db, key: Key, captured: list[GatewayCh
     if row is None or ledger is None or ledger.status not in proof.SAID_NO:
         return False  # revived by a replay meanwhile: the worker looks it up
     sorted_out = proof.unrecorded(captured, ledger)
-    person = await _unmatched(run, conn, key, ledger, sorted_out.unmatched)
+    person = await run.for_a_person(conn, key, ledger, sorted_out.unmatched)
     charge = sorted_out.keep
     if charge is None:
         return person
@@ -290,38 +290,4 @@ async def _record(
             how=f"the gateway charged it; the ledger said {row['status']}",
         )
     run.settled.add(key)
-    return True
-
-
-async def _unmatched(
-    run: Sweeper,
-    conn: Db,
-    key: Key,
-    ledger: proof.LedgerRow | None,
-    charges: list[GatewayCharge],
-) -> bool:
-    """Report captured charges reconcile may neither refund nor record, for a person (once
-    per run, one `discrepancy` event per charge ever); True if there are any."""
-    new = [c for c in charges if c.id not in run.unmatched]
-    if not new:
-        return bool(charges)
-    run.unmatched.update(c.id for c in new)
-    run.report.counts.unmatched_charges += len(new)
-    said = ledger.describe() if ledger else "no ledger row"
-    detail = {"ledger": said, "charges": [f"{c.id} {c.fingerprint}" for c in new]}
-    run.report.add("unmatched_charges", Finding(*key, "left for a person", detail))
-    if run.dry_run:
-        return True
-    for charge in new:
-        if not await conn.fetchval(_REPORTED, *key, "charge_id", charge.id):
-            what = "captured at the gateway, not proven this key's charge: not refunded"
-            await run.event(
-                conn,
-                key,
-                "discrepancy",
-                what=what,
-                charge_id=charge.id,
-                charge=charge.fingerprint,
-                ledger=said,
-            )
     return True

@@ -11,6 +11,11 @@ paid, so both need proof: the key has a ledger row, and the charge matches its f
 | any that do not match the row, or no row at all   | unmatched: reported for a person, untouched  |
 | the recorded one does not match its own row       | all unmatched: which is right is not ours    |
 | any, for a row that is declined, failed, blocked  | record the earliest matching one             |
+
+A lookup for an open row (an unknown outcome, a lost message) records only what a charge
+that matches the row says (`split`): a charge someone else made with our metadata (a
+support agent's, another integration's, a verification charge) is never the period's
+payment. Captured, it is a person's; the row stays open, so the due charge goes ahead.
 """
 
 from __future__ import annotations
@@ -64,3 +69,20 @@ def unrecorded(captured: list[GatewayCharge], row: LedgerRow) -> Doubles:
     matching = [c for c in captured if c.fingerprint == row.fingerprint]
     others = [c for c in captured if c.fingerprint != row.fingerprint]
     return Doubles(matching[0] if matching else None, unmatched=others)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A key's lookup against its row: the charges that match it (whatever their status:
+    the only ones whose outcome may be recorded as the row's) and the captured ones that
+    do not (for a person)."""
+
+    ours: list[GatewayCharge]
+    foreign: list[GatewayCharge]
+
+
+def split(charges: list[GatewayCharge], row: LedgerRow) -> Split:
+    """Sort a key's lookup (oldest first) out against its ledger row's fingerprint."""
+    ours = [c for c in charges if c.fingerprint == row.fingerprint]
+    foreign = [c for c in charges if c.captured and c.fingerprint != row.fingerprint]
+    return Split(ours, foreign)

@@ -26,9 +26,10 @@ from charge_worker import events, tracing
 from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, SettingsError
 from charge_worker.gateway import Gateway, GatewayCharge
 from charge_worker.messages import idempotency_key
+from charge_worker.reconcile import proof
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.history import patiently
-from charge_worker.reconcile.report import Report, Sweep
+from charge_worker.reconcile.report import Finding, Report, Sweep
 from charge_worker.streams import Position
 
 if TYPE_CHECKING:
@@ -73,6 +74,14 @@ _CUSTOMER = """
 SELECT coalesce(
     (SELECT customer_id FROM charge_attempts WHERE order_id = $1 AND billing_period = $2),
     (SELECT customer_id FROM subscriptions WHERE order_id = $1))
+"""
+
+
+# One `discrepancy` event per charge, not one per run every 15 minutes.
+_REPORTED = """
+SELECT EXISTS (SELECT 1 FROM charge_events
+                WHERE order_id = $1 AND billing_period = $2 AND kind = 'discrepancy'
+                  AND detail->>$3 = $4)
 """
 
 
@@ -239,4 +248,37 @@ class Sweeper:
                 return False
             await self.event(conn, key, "resolved", status=status, charge_id=charge_id, **detail)
         self.settled.add(key)
+        return True
+
+    async def for_a_person(
+        self,
+        conn: Db,
+        key: Key,
+        ledger: proof.LedgerRow | None,
+        charges: list[GatewayCharge],
+    ) -> bool:
+        """Report captured charges reconcile may neither refund nor record, for a person
+        (once per run, one `discrepancy` event per charge ever); True if there are any."""
+        new = [c for c in charges if c.id not in self.unmatched]
+        if not new:
+            return bool(charges)
+        self.unmatched.update(c.id for c in new)
+        self.report.counts.unmatched_charges += len(new)
+        said = ledger.describe() if ledger else "no ledger row"
+        detail = {"ledger": said, "charges": [f"{c.id} {c.fingerprint}" for c in new]}
+        self.report.add("unmatched_charges", Finding(*key, "left for a person", detail))
+        if self.dry_run:
+            return True
+        for charge in new:
+            if not await conn.fetchval(_REPORTED, *key, "charge_id", charge.id):
+                what = "captured at the gateway, not proven this key's charge: not refunded"
+                await self.event(
+                    conn,
+                    key,
+                    "discrepancy",
+                    what=what,
+                    charge_id=charge.id,
+                    charge=charge.fingerprint,
+                    ledger=said,
+                )
         return True

@@ -7,6 +7,10 @@
 | lost messages      | quiet, unleased `scheduled`/`pending` rows   | recording what lookup finds, |
 |                    | whose message no longer waits in the stream  | else re-publishing           |
 
+Only a charge that matches the row (amount, currency, customer: `proof.split`) is
+recorded; one someone else made with our metadata is a person's, and the row stays open,
+so the sweep re-publishes it and the due charge is made.
+
 (The gateway's charges are decided in `charges.py`, the rows it does not show in
 `discrepancies.py`; what all share is the `Sweeper`.) Rows are read `BATCH` at a time
 (keyset, oldest quiet first) and worked on several at once. Nothing here ever charges. The
@@ -26,6 +30,7 @@ from pydantic import ValidationError
 from charge_worker.errors import PoisonMessage
 from charge_worker.gateway import GatewayCharge
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
+from charge_worker.reconcile import proof
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.report import Finding
 from charge_worker.reconcile.sweeper import BATCH, Sweeper, stamp
@@ -33,7 +38,9 @@ from charge_worker.reconcile.sweeper import BATCH, Sweeper, stamp
 FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), 0, dt.date.min)  # before every keyset
 
 _UNKNOWN = """
-SELECT order_id, billing_period, attempt, updated_at, status, customer_id FROM charge_attempts
+SELECT order_id, billing_period, attempt, updated_at, status, customer_id, fingerprint,
+       gateway_charge_id
+  FROM charge_attempts
  WHERE ((status = 'pending' AND gateway_calls > 0) OR status = 'processing')
    AND (lease_until IS NULL OR lease_until < now())
    AND updated_at < now() - make_interval(secs => $1)
@@ -54,7 +61,7 @@ coalesce({_NEWEST} > $2 AND {_NEWEST} >= $3 AND NOT {_NEWEST} = ANY($4::bigint[]
 """
 _QUIET = f"""
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
-       due_at, status, attempt, updated_at, traceparent
+       due_at, status, attempt, updated_at, traceparent, fingerprint, gateway_charge_id
   FROM charge_attempts {_OPEN_AND_QUIET} AND NOT {_WAITING}
    AND (updated_at, order_id, billing_period) > ($5, $6, $7)
  ORDER BY updated_at, order_id, billing_period LIMIT $8
@@ -106,8 +113,9 @@ async def unknown_outcomes(run: Sweeper) -> None:
 
 
 def _found(charges: list[GatewayCharge]) -> tuple[str, GatewayCharge] | None:
-    """What a lookup says happened: the earliest charge still captured, else the earliest
-    made (refunded since), else one the bank still settles, else a failed one."""
+    """What a lookup's charges that match the row (`proof.split`) say happened: the
+    earliest still captured, else the earliest made (refunded since), else one the bank
+    still settles, else a failed one."""
     made = [c for c in charges if c.captured] or [c for c in charges if c.charged]
     if made:
         return "succeeded", made[0]
@@ -117,9 +125,21 @@ def _found(charges: list[GatewayCharge]) -> tuple[str, GatewayCharge] | None:
     return ("declined", failed[0]) if failed else None
 
 
+async def _ours(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayCharge]:
+    """The key's charges that match its open row; the captured ones that do not (made by
+    someone else with our metadata) are reported for a person and never recorded, so the
+    row stays open and the due charge goes ahead."""
+    ledger = proof.LedgerRow(row["status"], row["fingerprint"], row["gateway_charge_id"])
+    lookup = proof.split(await run.lookup(key, row["customer_id"]), ledger)
+    if lookup.foreign:
+        async with run.pool.acquire() as conn:
+            await run.for_a_person(conn, key, ledger, lookup.foreign)
+    return lookup.ours
+
+
 async def _resolve(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
     attempt, was = row["attempt"], row["status"]
-    found = _found(await run.lookup(key, row["customer_id"]))
+    found = _found(await _ours(run, key, row))
     if found is None:
         action = "not found: re-publish" if was == "pending" else "not found at the gateway"
         run.report.add("unknown_outcomes", Finding(*key, action, {"status": was}))
@@ -175,7 +195,7 @@ async def lost_messages(run: Sweeper) -> None:
 
 
 async def _recover(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
-    found = _found(await run.lookup(key, row["customer_id"]))
+    found = _found(await _ours(run, key, row))
     if found is None:
         await _republish(run, key, row)
         return
