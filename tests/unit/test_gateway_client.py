@@ -319,3 +319,22 @@ async def test_a_lookup_told_more_follows_an_empty_page_knows_nothing() -> None:
     gw = client(answer(200, {"data": [], "has_more": True}))
     with pytest.raises(errors.OutcomeUnknown, match="empty page"):
         await gw.lookup(48291, dt.date(2026, 9, 1))
+
+
+async def test_a_replayed_5xx_is_unknown_but_no_new_failure_for_the_breaker() -> None:
+    """Issue 34, item 8: the gateway replaying its first answer (a 5xx) to a retried key is
+    not the gateway failing again: it neither counts toward the breaker nor ends a run."""
+    answers = iter(["fresh", "replayed", "replayed", "replayed", "fresh"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        replayed = next(answers) == "replayed"
+        return httpx.Response(503, headers={"Idempotent-Replayed": "true"} if replayed else {})
+
+    gw = client(handler, gateway_breaker_failures=2, gateway_breaker_reset_s=60)
+    for _ in range(4):
+        with pytest.raises(errors.OutcomeUnknown):
+            await gw.charge(CHARGE)
+        assert gw.available
+    with pytest.raises(errors.OutcomeUnknown):
+        await gw.charge(CHARGE)  # the second fresh failure in a row
+    assert not gw.available

@@ -263,6 +263,25 @@ async def test_only_unknown_outcomes_and_refusals_open_the_breaker() -> None:
     assert not broken.available
 
 
+async def test_a_replayed_5xx_is_unknown_but_no_new_failure_for_the_breaker() -> None:
+    """Issue 34, item 8: Stripe replaying its first answer (a 5xx) to a retried key."""
+    answers = iter(["fresh", "replayed", "replayed", "replayed", "fresh"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        replayed = next(answers) == "replayed"
+        headers = {"Idempotent-Replayed": "true"} if replayed else {}
+        return stripe_error(500, headers, type="api_error")
+
+    gw = adapter(on_intents(handler), gateway_breaker_failures=2, gateway_breaker_reset_s=60)
+    for _ in range(4):
+        with pytest.raises(errors.OutcomeUnknown):
+            await gw.charge(CHARGE)
+        assert gw.available
+    with pytest.raises(errors.OutcomeUnknown):
+        await gw.charge(CHARGE)  # the second fresh failure in a row
+    assert not gw.available
+
+
 async def test_connection_refused_is_unavailable_a_reset_unknown() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)

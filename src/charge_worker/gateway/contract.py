@@ -15,11 +15,13 @@ Every answer is classified here, and only here:
 | any other 4xx (404, 405, 408, 413, …),   | `DependencyUnavailable` (not accepted:     |
 | or 400 / 422 without that body           | nothing charged, try later)                |
 | 5xx, timeout, reset, unreadable 200      | `OutcomeUnknown`                           |
+| 5xx with `Idempotent-Replayed: true`     | `ReplayedFailure` (an `OutcomeUnknown` the |
+|                                          | breaker does not hear of: no new failure)  |
 | connection refused (never sent)          | `DependencyUnavailable`                    |
 | breaker open                             | `DependencyUnavailable` (until half-open)  |
 
 Only the gateway's own verdict is final: a bare status from a proxy or a wrong path is not.
-Every `OutcomeUnknown` and `DependencyUnavailable` counts toward the breaker.
+Every other `OutcomeUnknown` and every `DependencyUnavailable` counts toward the breaker.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from charge_worker.errors import (
     RateLimited,
     RequestInProgress,
 )
-from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent, retry_after
+from charge_worker.gateway.guard import (
+    BeforeSend,
+    Guarded,
+    ReplayedFailure,
+    never_sent,
+    retry_after,
+)
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
 from charge_worker.http import build_client
@@ -106,8 +114,7 @@ class ContractGateway(Guarded):
             data = _json(response)
             if not isinstance(data.get("id"), str) or data.get("status") != "succeeded":
                 raise OutcomeUnknown(f"gateway answered 200 with an unexpected body: {data!r:.200}")
-            replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            return ChargeResult("succeeded", data["id"], replayed=replayed)
+            return ChargeResult("succeeded", data["id"], replayed=_replayed(response))
         if response.status_code == 402:
             code = _error(response).get("code") or "card_declined"
             return ChargeResult("declined", None, decline_code=str(code))
@@ -209,12 +216,22 @@ class ContractGateway(Guarded):
             except httpx.HTTPError as error:
                 raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
             if response.status_code >= 500:
+                if _replayed(response):
+                    raise ReplayedFailure(
+                        f"gateway answered {response.status_code}, replayed: its first"
+                        " answer to this key"
+                    )
                 raise OutcomeUnknown(f"gateway answered {response.status_code}")
             if (refused := _refused(response)) is not None:
                 raise refused  # inside the breaker: it counts
             return response
 
         return await self.guarded(f"{method} {path}", request, before_send=before_send)
+
+
+def _replayed(response: httpx.Response) -> bool:
+    """The gateway's first answer to this idempotency key, told again."""
+    return str(response.headers.get("Idempotent-Replayed", "")).lower() == "true"
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

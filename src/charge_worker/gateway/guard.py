@@ -11,7 +11,8 @@ A call is `with breaker: await …`, under a deadline (`charge_worker.deadline`;
 own timeout bounds each phase, not the whole call). The request passed in translates its
 driver's errors into domain errors itself, inside the breaker, so that an `OutcomeUnknown` or
 `DependencyUnavailable` counts toward it and a verdict (decline, rejection, 409, 429) does
-not (`http.build_breaker`).
+not (`http.build_breaker`). A `ReplayedFailure` (the provider replaying its first answer to
+a key, a 5xx) is neither: the breaker hears nothing of it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ T = TypeVar("T")
 DEFAULT_RETRY_AFTER_S = 1.0
 # awaited right before the request that can move money starts; raises to send nothing
 BeforeSend = Callable[[], Awaitable[None]]
+
+
+class ReplayedFailure(OutcomeUnknown):
+    """The provider replayed its first answer to this idempotency key, and that was a 5xx
+    (`Idempotent-Replayed: true`): the outcome is as unknown as it was, but this is no new
+    failure of the provider. The breaker neither counts it nor ends a run of failures."""
 
 
 class Guarded:
@@ -84,10 +91,11 @@ class Guarded:
             await before_send()
         try:
             if success_counts or self.breaker.state != "closed":
-                with self.breaker:
-                    return await self._within_deadline(what, request)
+                return await self._through_breaker(what, request)
             try:
                 return await self._within_deadline(what, request)
+            except ReplayedFailure:
+                raise
             except (OutcomeUnknown, DependencyUnavailable) as failure:
                 with self.breaker:  # counted as the breaker counts any failure
                     raise failure from failure.__cause__
@@ -95,6 +103,21 @@ class Guarded:
             raise DependencyUnavailable(
                 "gateway breaker open", retry_after_s=self.breaker.open_for_s()
             ) from error
+
+    async def _through_breaker(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
+        """`with self.breaker: return await request()`, but a `ReplayedFailure` leaves the
+        breaker as it was: counted, it would open the breaker on one failure told again;
+        taken as a success, it would end the run of a provider failing fresh requests."""
+        self.breaker.__enter__()  # raises BreakerOpen: nothing sent
+        try:
+            result = await self._within_deadline(what, request)
+        except ReplayedFailure:
+            raise
+        except BaseException as error:
+            self.breaker.__exit__(type(error), error, error.__traceback__)
+            raise
+        self.breaker.__exit__(None, None, None)
+        return result
 
     async def _within_deadline(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
         try:

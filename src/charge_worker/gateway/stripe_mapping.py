@@ -20,6 +20,8 @@ the same table for people).
 | 401 / 403 (`AuthenticationError`, `PermissionError`)| `DependencyUnavailable` (our key)       |
 | any other 4xx, or a 4xx without Stripe's body      | `DependencyUnavailable` (not accepted)   |
 | 5xx `api_error`, an unreadable answer (`APIError`) | `OutcomeUnknown`                         |
+| 5xx with `Idempotent-Replayed: true`               | `ReplayedFailure` (unknown, not counted  |
+|                                                    | by the breaker: no new failure)          |
 | timeout, reset (`APIConnectionError`)              | `OutcomeUnknown`                         |
 | connection refused (`APIConnectionError`, never sent) | `DependencyUnavailable`               |
 """
@@ -38,7 +40,7 @@ from charge_worker.errors import (
     RateLimited,
     RequestInProgress,
 )
-from charge_worker.gateway.guard import never_sent, retry_after
+from charge_worker.gateway.guard import ReplayedFailure, never_sent, retry_after
 from charge_worker.gateway.results import (
     AUTHENTICATION_REQUIRED,
     CARD_DECLINED,
@@ -99,6 +101,15 @@ def _answered(error: stripe.StripeError, summary: str) -> ChargeWorkerError:
             f"{summary}: not accepted, nothing charged, retried later"
             " (a wrong GATEWAY_URL, a proxy, a limit?)"
         )
+    return _unknown(error, summary)
+
+
+def _unknown(error: stripe.StripeError, summary: str) -> OutcomeUnknown:
+    """A 5xx or an unreadable answer; a 5xx Stripe replays (its first answer to this key)
+    is no new failure of Stripe's (`ReplayedFailure`)."""
+    replayed = str((error.headers or {}).get("Idempotent-Replayed", "")).lower() == "true"
+    if replayed and (error.http_status or 0) >= 500:
+        return ReplayedFailure(f"{summary} (replayed: Stripe's first answer to this key)")
     return OutcomeUnknown(summary)
 
 
