@@ -258,7 +258,7 @@ class Ledger:
             why = await conn.fetchrow(_WHY_NOT, *key)
         if why is None:  # deleted between the two statements; let the redelivery retry
             raise LeaseHeld("the row vanished during the claim", retry_after_s=0)
-        fingerprint = f"{charge.amount_minor} {charge.currency} {charge.customer_id}"
+        fingerprint = charge.fingerprint
         if why["fingerprint"] != fingerprint:
             raise PayloadConflict(
                 f"{charge.key} is recorded as '{why['fingerprint']}', message says '{fingerprint}'"

@@ -99,6 +99,12 @@ class ChargeDue(BaseModel):
         return idempotency_key(self.order_id, self.billing_period)
 
     @property
+    def fingerprint(self) -> str:
+        """Amount, currency and customer, as `charge_attempts.fingerprint` spells them (and
+        `GatewayCharge.fingerprint`): what proves a charge is this period's."""
+        return f"{self.amount_minor} {self.currency} {self.customer_id}"
+
+    @property
     def msg_id(self) -> str:
         """The `Nats-Msg-Id` the producer publishes this charge with."""
         return msg_id(self.order_id, self.billing_period)

@@ -20,26 +20,20 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from charge_worker.gateway import Gateway
 from charge_worker.gateway.contract import ContractGateway
 from charge_worker.gateway.stripe import StripeGateway
-from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
-from charge_worker.scoring import ScoringClient
 from charge_worker.settings import (
     LEASE_MARGIN_S,
     LEASE_RENEWAL_S,
     GatewaySettings,
-    ScoringSettings,
 )
 from charge_worker.worker.decisions import Outcome
-from charge_worker.worker.failpoints import Failpoints
-from charge_worker.worker.metrics import Metrics
-from charge_worker.worker.pipeline import Delivery, Pipeline
+from tests.support.pipelines import process_once
 
 TIMEOUT_S = 1.0  # each gateway request's deadline
 LEASE_S = TIMEOUT_S + LEASE_MARGIN_S + LEASE_RENEWAL_S  # the least the settings allow
@@ -85,27 +79,8 @@ class LeaseAtCharge:
         self.seen.append(float(left))
 
 
-def scoring() -> ScoringClient:
-    async def approve(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"decision": "approve", "score": 0.1})
-
-    cfg = ScoringSettings(url="http://scoring.test")
-    return ScoringClient(cfg, transport=httpx.MockTransport(approve))
-
-
 async def run_once(pool: asyncpg.Pool, gateway: Gateway) -> Outcome:
-    pipeline = Pipeline(
-        Ledger(pool, lease_s=LEASE_S),
-        gateway,
-        scoring(),
-        owner="worker-1",
-        metrics=Metrics(CollectorRegistry()),
-        failpoints=Failpoints(),
-    )
-    try:
-        done = await pipeline.process(Delivery(CHARGE.to_json(), stream_seq=1, num_delivered=1))
-    finally:
-        await gateway.aclose()
+    done = await process_once(pool, gateway, CHARGE.to_json(), lease_s=LEASE_S)
     return done.result.outcome
 
 

@@ -372,7 +372,7 @@ async def _existing(
 def _recorded(charge: ChargeDue, found: asyncpg.Record | None, summary: Summary) -> bool:
     """The key is recorded as this very charge (counted); False, reported, when it holds
     another one."""
-    fingerprint = f"{charge.amount_minor} {charge.currency} {charge.customer_id}"
+    fingerprint = charge.fingerprint
     if found is None or found["fingerprint"] != fingerprint:
         recorded = "another row's key" if found is None else f"'{found['fingerprint']}'"
         reason = f"recorded as {recorded}, the subscription says '{fingerprint}'"

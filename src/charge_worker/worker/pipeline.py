@@ -310,9 +310,16 @@ class Pipeline:
 
     async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
         """What the gateway already did for this key, as a result to settle; None if nothing."""
-        found = await self.gateway.lookup(
+        listed = await self.gateway.lookup(
             charge.order_id, charge.billing_period, customer_id=charge.customer_id
         )
+        # found by metadata, which anyone with the account's key can set: only a charge with
+        # the period's fingerprint is the period's; the rest is for a person (reconcile
+        # reports it as unmatched), and the due charge goes ahead
+        found = [c for c in listed if c.fingerprint == charge.fingerprint]
+        if unmatched := [c.id for c in listed if c.fingerprint != charge.fingerprint]:
+            done.notes["unmatched"] = unmatched
+            log.warning("charge.unmatched_found", charges=unmatched)
         # a charge refunded since was made all the same: record it, never charge again
         charged = [c for c in found if c.captured] or [c for c in found if c.charged]
         if charged:
