@@ -9,6 +9,7 @@ alone or in combination, into one `SettingsError` line that names the environmen
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -27,6 +28,8 @@ LEASE_MARGIN_S = 5.0
 # UPDATE); a renewal slower than that sends nothing.
 LEASE_RENEWAL_S = 1.0
 GatewayKind = Literal["contract", "stripe"]
+KEY_PREFIX_MAX = 32
+_KEY_PREFIX = re.compile(rf"[A-Za-z0-9_.:-]{{0,{KEY_PREFIX_MAX}}}")
 # The most requests one charge makes, per adapter: Stripe reads the customer's saved card
 # (its invoice default, else a list of its cards) before the PaymentIntent.
 REQUESTS_PER_CHARGE: dict[GatewayKind, int] = {"contract": 1, "stripe": 3}
@@ -134,6 +137,19 @@ class GatewaySettings(_EnvGroup):
     gateway_breaker_reset_s: float = Field(30.0, gt=0)
     gateway_max_connections: int = Field(100, ge=1)
     gateway_rate_limit: float = Field(0.0, ge=0)  # requests per second, the whole fleet; 0: off
+    # put before every Idempotency-Key sent (charges and refunds), for an account shared with
+    # other integrations; empty: the contract's keys exactly. The ledger's keys stay bare.
+    idempotency_key_prefix: str = ""
+
+    @field_validator("idempotency_key_prefix")
+    @classmethod
+    def _key_prefix(cls, value: str) -> str:
+        if not _KEY_PREFIX.fullmatch(value):
+            raise ValueError(
+                f"must be at most {KEY_PREFIX_MAX} characters of A-Z a-z 0-9 _ . : -"
+                f" (got {len(value)} characters)"
+            )
+        return value
 
 
 class ReconcileSettings(_EnvGroup):

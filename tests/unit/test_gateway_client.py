@@ -338,3 +338,27 @@ async def test_a_replayed_5xx_is_unknown_but_no_new_failure_for_the_breaker() ->
     with pytest.raises(errors.OutcomeUnknown):
         await gw.charge(CHARGE)  # the second fresh failure in a row
     assert not gw.available
+
+
+async def test_an_idempotency_key_prefix_goes_on_the_charge_and_the_refund_key() -> None:
+    """Issue 34, item 8: for an account shared with other integrations."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/refunds":
+            return httpx.Response(200, json={"id": "re_1", "charge": "ch_1"})
+        return httpx.Response(200, json=OK)
+
+    gw = client(handler, idempotency_key_prefix="acme:")
+    await gw.charge(CHARGE)
+    await gw.refund("ch_1")
+
+    assert [r.headers["Idempotency-Key"] for r in seen] == [
+        "acme:48291:2026-09-01",
+        "acme:refund:ch_1",
+    ]
+    assert json.loads(seen[0].content)["metadata"] == {
+        "order_id": "48291",
+        "billing_period": "2026-09-01",
+    }

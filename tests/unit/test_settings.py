@@ -111,6 +111,11 @@ BROKEN = [
     ({"CHARGE_WORKER_SCORING_POLICY": "maybe"}, "CHARGE_WORKER_SCORING_POLICY"),
     ({"CHARGE_WORKER_METRICS_PORT": "70000"}, "CHARGE_WORKER_METRICS_PORT"),
     ({"CHARGE_WORKER_LOG_LEVEL": "loud"}, "CHARGE_WORKER_LOG_LEVEL"),
+    (
+        {"CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX": "acme billing/"},
+        "CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX",
+    ),
+    ({"CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX": "x" * 33}, "CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX"),
 ]
 
 
@@ -181,3 +186,10 @@ def test_a_bad_webhook_deadline_or_limit_fails_naming_it(
     monkeypatch.setenv(env, value)
     with pytest.raises(SettingsError, match=f"^{env}: "):
         load_settings()
+
+
+def test_the_idempotency_key_prefix_is_empty_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34, item 8: empty by default, so the contract's keys stay exactly as they are."""
+    assert load_settings().gateway.idempotency_key_prefix == ""
+    monkeypatch.setenv("CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX", "billing-v2.eu:")
+    assert load_settings().gateway.idempotency_key_prefix == "billing-v2.eu:"

@@ -418,6 +418,23 @@ async def test_a_refund_names_the_intent_and_its_reason_and_is_keyed_by_it() -> 
     assert await adapter(lambda _: already).refund("pi_1") == "already"
 
 
+async def test_an_idempotency_key_prefix_goes_on_the_intent_and_the_refund_key() -> None:
+    """Issue 34, item 8: for an account shared with other integrations."""
+    keys: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["Idempotency-Key"])
+        if request.url.path == "/v1/refunds":
+            return httpx.Response(200, json={"id": "re_1", "object": "refund"})
+        return httpx.Response(200, json=intent())
+
+    gw = adapter(on_intents(handler), idempotency_key_prefix="acme:")
+    await gw.charge(CHARGE)
+    await gw.refund("pi_1")
+
+    assert keys == ["acme:48291:2026-09-01", "acme:refund:pi_1"]
+
+
 async def test_retrieve_expands_the_charge_and_a_missing_intent_is_none() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/pi_gone"):

@@ -20,6 +20,9 @@ Every answer is classified here, and only here:
 | connection refused (never sent)          | `DependencyUnavailable`                    |
 | breaker open                             | `DependencyUnavailable` (until half-open)  |
 
+Every `Idempotency-Key` sent (`<key>`, `refund:<charge id>`) starts with
+`CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX`, empty unless set: an account shared with other
+integrations. Lookups find charges by their metadata, which carries no prefix.
 Only the gateway's own verdict is final: a bare status from a proxy or a wrong path is not.
 Every other `OutcomeUnknown` and every `DependencyUnavailable` counts toward the breaker.
 """
@@ -75,6 +78,7 @@ class ContractGateway(Guarded):
         api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
         require(api_key, "GATEWAY_API_KEY")
         super().__init__(cfg, limiter=limiter)
+        self.key_prefix = cfg.idempotency_key_prefix  # before every Idempotency-Key sent
         self.client = build_client(
             require(cfg.url, "GATEWAY_URL"),
             timeout_s=cfg.gateway_timeout_s,
@@ -95,7 +99,7 @@ class ContractGateway(Guarded):
         before_send: BeforeSend | None = None,
     ) -> ChargeResult:
         """Charge once per key; raise the domain error the answer stands for."""
-        headers = {"Idempotency-Key": charge.key}
+        headers = {"Idempotency-Key": f"{self.key_prefix}{charge.key}"}
         if traceparent:
             headers["traceparent"] = traceparent
         body = {
@@ -167,7 +171,7 @@ class ContractGateway(Guarded):
             "POST",
             "/v1/refunds",
             json={"charge": charge_id, "reason": reason},
-            headers={"Idempotency-Key": f"refund:{charge_id}"},
+            headers={"Idempotency-Key": f"{self.key_prefix}refund:{charge_id}"},
         )
         if response.status_code == 200:
             return str(_json(response)["id"])

@@ -19,6 +19,7 @@ project's own HTTP client, its retries off: the worker retries, with the same ke
 |            | `Idempotency-Key: refund:<payment intent id>`                             |
 | `retrieve` | `GET /v1/payment_intents/{id}?expand[]=latest_charge`                     |
 
+Every `Idempotency-Key` starts with `CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX` (empty unless set).
 The charge id the ledger records is the PaymentIntent's (`pi_…`). How each answer maps:
 `stripe_mapping.py`. Every request (a charge is up to three) spends a token of the fleet's rate.
 """
@@ -79,6 +80,7 @@ class StripeGateway(Guarded):
                 "GATEWAY_API_KEY: a Stripe secret key starts with sk_ (or rk_, restricted)"
             )
         super().__init__(cfg, limiter=limiter)
+        self.key_prefix = cfg.idempotency_key_prefix  # before every Idempotency-Key sent
         base = cfg.url or STRIPE_API
         self.http = OwnedHTTPClient(
             build_client(
@@ -123,7 +125,7 @@ class StripeGateway(Guarded):
                 "billing_period": charge.billing_period.isoformat(),
             },
         }
-        options: stripe.RequestOptions = {"idempotency_key": charge.key}
+        options: stripe.RequestOptions = {"idempotency_key": f"{self.key_prefix}{charge.key}"}
         if traceparent:
             options["headers"] = {"traceparent": traceparent}
 
@@ -231,7 +233,7 @@ class StripeGateway(Guarded):
             try:
                 refund = await self.stripe.v1.refunds.create_async(
                     {"payment_intent": charge_id, "reason": reason},
-                    {"idempotency_key": f"refund:{charge_id}"},
+                    {"idempotency_key": f"{self.key_prefix}refund:{charge_id}"},
                 )
             except stripe.InvalidRequestError as error:
                 if mapping.already_refunded(error):
