@@ -14,6 +14,7 @@ Our exception hierarchy::
     ├── PermanentError ........... never retried: dead letter (reason = outcome), then term
     │   ├── PoisonMessage ........ the message breaks contracts/charge-due.md
     │   ├── PayloadConflict ...... same (order_id, billing_period), other amount/currency/customer
+    │   ├── Unverified ........... no subscription says so (CHARGE_WORKER_VERIFY_SUBSCRIPTION)
     │   ├── GatewayRejected ...... the gateway refused the request as invalid
     │   └── UnstorableValue ...... PostgreSQL cannot store a value (a NUL, out of range): poison
     ├── TransientError ........... retry later with the same key (carries retry_after_s)
@@ -74,6 +75,14 @@ class PayloadConflict(PermanentError):
     """The same charge key arrived with another amount, currency or customer."""
 
     outcome = "conflict"
+
+
+class Unverified(PermanentError):
+    """The message disagrees with its subscription (amount, currency, customer, or a period
+    off its schedule), or has none: `CHARGE_WORKER_VERIFY_SUBSCRIPTION=match` charges only
+    what a subscription says is due."""
+
+    outcome = "unverified"
 
 
 class GatewayRejected(PermanentError):

@@ -28,7 +28,7 @@ import asyncpg
 
 from charge_worker import events
 from charge_worker.database import translated
-from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict
+from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict, Unverified
 from charge_worker.messages import ChargeDue
 from charge_worker.settings import LEASE_MARGIN_S
 
@@ -37,14 +37,33 @@ Scoring = Literal["approved", "blocked", "deferred"]
 # accepted the charge and settles it later (a bank debit), and nothing is re-sent meanwhile
 FinalStatus = Literal["succeeded", "declined", "failed", "blocked", "processing"]
 
-_CLAIM = """
+# With `$13` (CHARGE_WORKER_VERIFY_SUBSCRIPTION=match) a message with no row yet is charged
+# only when an active subscription says so: its customer, amount and currency, and the
+# period one of its schedule's (periods.on_schedule, in SQL). A row the producer scheduled
+# was written from the subscription: the fingerprint check of a takeover proves the rest.
+_VERIFIED = """
+SELECT FROM subscriptions AS s
+ CROSS JOIN LATERAL (SELECT coalesce(s.billing_anchor, s.next_billing_date) AS anchor,
+                            CASE s.billing_interval WHEN 'year' THEN 12 ELSE 1 END
+                                * s.billing_interval_count AS step) AS k
+ WHERE s.order_id = $1 AND s.active AND s.subscription_id = $4 AND s.customer_id = $5
+   AND s.amount_minor = $6 AND s.currency = $7
+   AND mod(((extract(year FROM $2::date) - extract(year FROM k.anchor)) * 12
+            + extract(month FROM $2::date) - extract(month FROM k.anchor))::int, k.step) = 0
+   AND extract(day FROM $2::date) = least(extract(day FROM k.anchor), extract(day FROM
+           date_trunc('month', $2::date) + interval '1 month - 1 day'))
+"""
+
+_CLAIM = f"""
 WITH inserted AS (
     INSERT INTO charge_attempts (
         order_id, billing_period, idempotency_key, subscription_id, customer_id,
         amount_minor, currency, due_at, status, lease_owner, lease_until, attempt,
         last_stream_seq)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9,
-            now() + make_interval(secs => $10), 1, $11)
+    SELECT $1::bigint, $2::date, $3::text, $4::text, $5::text, $6::bigint, $7::text,
+           $8::timestamptz, 'pending', $9::text, now() + make_interval(secs => $10), 1,
+           $11::bigint
+     WHERE NOT $13::boolean OR EXISTS ({_VERIFIED})
     ON CONFLICT DO NOTHING
     RETURNING attempt, gateway_calls, scoring
 ), previous AS (  -- the row as it was, to tell a takeover of an expired lease
@@ -209,11 +228,17 @@ class Ledger:
     asks `Claim.outlives` before a call needs no write to know its lease still holds."""
 
     def __init__(
-        self, pool: asyncpg.Pool, *, lease_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        pool: asyncpg.Pool,
+        *,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        verify_subscription: bool = False,
     ) -> None:
         self.pool = pool
         self.lease_s = lease_s
         self.clock = clock
+        self.verify_subscription = verify_subscription
 
     async def claim(
         self, charge: ChargeDue, owner: str, stream_seq: int, *, revive_failed: bool = False
@@ -226,7 +251,8 @@ class Ledger:
         worker looks the key up before any new call, and records a charge it finds.
 
         Raises `AlreadySettled` (final already), `PayloadConflict` (same key, other
-        amount/currency/customer), `LeaseHeld` (a live worker owns it).
+        amount/currency/customer), `LeaseHeld` (a live worker owns it), `Unverified`
+        (`verify_subscription`: no row yet, and no subscription says the charge is due).
         """
         key = (charge.order_id, charge.billing_period)
         deadline = self.clock() + self.lease_s
@@ -244,6 +270,7 @@ class Ledger:
                 self.lease_s,
                 stream_seq,
                 revive_failed,
+                self.verify_subscription,
             )
             if row is not None:
                 return Claim(
@@ -256,7 +283,14 @@ class Ledger:
                     deadline,
                 )
             why = await conn.fetchrow(_WHY_NOT, *key)
-        if why is None:  # deleted between the two statements; let the redelivery retry
+        if why is None:
+            if self.verify_subscription:
+                raise Unverified(
+                    f"{charge.key}: no active subscription {charge.subscription_id} of order "
+                    f"{charge.order_id} charges '{charge.fingerprint}' for the period "
+                    f"{charge.billing_period}"
+                )
+            # deleted between the two statements; let the redelivery retry
             raise LeaseHeld("the row vanished during the claim", retry_after_s=0)
         fingerprint = charge.fingerprint
         if why["fingerprint"] != fingerprint:

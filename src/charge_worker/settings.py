@@ -113,6 +113,8 @@ class WorkerSettings(_EnvGroup):
     deferred_check_interval_s: float = Field(10.0, gt=0)
     stats_interval_s: float = Field(15.0, gt=0)
     failpoints: str = ""  # for the reliability suite only; checked by worker/failpoints.py
+    # `match`: a message with no ledger row is charged only when its subscription agrees
+    verify_subscription: Literal["off", "match"] = "off"
 
 
 class ScoringSettings(_EnvGroup):

@@ -217,6 +217,23 @@ async def test_conflicting_payload_is_dead_lettered_never_charged(
     assert await gateway_charges(gateway_sim.url) == {"13:2026-12-01": 1}
 
 
+async def test_a_message_no_subscription_says_is_due_is_dead_lettered_unverified(
+    nc: Client, settings: Settings, database_url: str, gateway_sim: ServedApp
+) -> None:
+    """With CHARGE_WORKER_VERIFY_SUBSCRIPTION=match, a well-formed message anyone could have
+    published charges nobody (issue 34, item 3)."""
+    verifying = settings.model_copy(
+        update={"worker": settings.worker.model_copy(update={"verify_subscription": "match"})}
+    )
+    js = await provisioned(nc, verifying)
+    await publish(js, verifying.nats.subject, due(14, amount=500_000))
+    async with running_worker(verifying):
+        await eventually(lambda: dead_letters_at_least(nc, verifying.nats), "dead-lettered")
+    dead = await js.get_msg(verifying.nats.dlq_stream, 1)
+    assert (dead.headers or {})["Dlq-Reason"] == "unverified"
+    assert await gateway_charges(gateway_sim.url) == {}
+
+
 async def test_max_deliveries_dead_letters_with_the_original_payload(
     nc: Client,
     nats_settings: NatsSettings,

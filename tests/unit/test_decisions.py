@@ -48,7 +48,12 @@ def test_final_outcomes_ack_on_any_delivery(outcome: Outcome, delivery: int) -> 
 @pytest.mark.parametrize("delivery", DELIVERIES)
 @pytest.mark.parametrize(
     ("outcome", "reason"),
-    [(Outcome.POISON, "poison"), (Outcome.CONFLICT, "conflict"), (Outcome.REJECTED, "rejected")],
+    [
+        (Outcome.POISON, "poison"),
+        (Outcome.CONFLICT, "conflict"),
+        (Outcome.UNVERIFIED, "unverified"),
+        (Outcome.REJECTED, "rejected"),
+    ],
 )
 def test_permanent_outcomes_dead_letter_at_once(
     outcome: Outcome, reason: str, delivery: int
@@ -124,7 +129,8 @@ def test_every_outcome_is_covered_by_a_table_above() -> None:
         Outcome.BLOCKED,
         Outcome.DUPLICATE,
     }
-    covered |= {Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED, Outcome.CRASHED}
+    covered |= {Outcome.POISON, Outcome.CONFLICT, Outcome.UNVERIFIED, Outcome.REJECTED}
+    covered |= {Outcome.CRASHED}
     covered |= set(RETRYABLE)
     assert covered == set(Outcome)
 
@@ -149,6 +155,7 @@ def test_a_lost_charge_answer_waits_out_the_lease(delivery: int) -> None:
     [
         (errors.PoisonMessage("x"), Outcome.POISON),
         (errors.PayloadConflict("x"), Outcome.CONFLICT),
+        (errors.Unverified("x"), Outcome.UNVERIFIED),
         (errors.GatewayRejected("x"), Outcome.REJECTED),
         (errors.OutcomeUnknown("x"), Outcome.OUTCOME_UNKNOWN),
         (errors.RequestInProgress("x"), Outcome.IN_PROGRESS),

@@ -4,7 +4,7 @@
 |-------------------------------------------|------------------------------------------|
 | charged, declined, blocked, duplicate,    | ack                                      |
 | processing (the provider settles it later)|                                          |
-| poison, conflict, rejected                | dead letter with that reason, then term  |
+| poison, conflict, unverified, rejected    | dead letter with that reason, then term  |
 | any retryable outcome, deliveries left    | nak with delay (its own, else backoff)   |
 | crashed, last delivery                    | dead letter `max_deliveries`, then term  |
 | any other retryable outcome, last delivery| requeue: publish a fresh copy, then ack  |
@@ -55,6 +55,7 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
     POISON = "poison"
     CONFLICT = "conflict"
+    UNVERIFIED = "unverified"  # no subscription says so (CHARGE_WORKER_VERIFY_SUBSCRIPTION)
     REJECTED = "rejected"
     OUTCOME_UNKNOWN = "outcome_unknown"
     IN_PROGRESS = "in_progress"
@@ -67,7 +68,7 @@ class Outcome(StrEnum):
 FINAL = frozenset(
     {Outcome.CHARGED, Outcome.DECLINED, Outcome.PROCESSING, Outcome.BLOCKED, Outcome.DUPLICATE}
 )
-PERMANENT = frozenset({Outcome.POISON, Outcome.CONFLICT, Outcome.REJECTED})
+PERMANENT = frozenset({Outcome.POISON, Outcome.CONFLICT, Outcome.UNVERIFIED, Outcome.REJECTED})
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Nak:
 
 @dataclass(frozen=True)
 class DeadLetter:
-    reason: str  # poison | conflict | rejected | max_deliveries
+    reason: str  # poison | conflict | unverified | rejected | max_deliveries
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,11 @@ async def run_worker(
     metrics = Metrics(registry or CollectorRegistry())
     metrics.watch(gateway.breaker)
     metrics.watch(scoring.breaker)
-    ledger = Ledger(pool, lease_s=settings.worker.lease_s)
+    ledger = Ledger(
+        pool,
+        lease_s=settings.worker.lease_s,
+        verify_subscription=settings.worker.verify_subscription == "match",
+    )
     dead_letters = DeadLetters(js, settings.nats)
     pipeline = Pipeline(
         ledger, gateway, scoring, owner=owner, metrics=metrics, failpoints=failpoints
