@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from pydantic import SecretStr
 
@@ -28,6 +29,7 @@ from tests.support.webhooks import (
     ledger,
     running_receiver,
     settled,
+    status_of,
     webhook_settings,
 )
 
@@ -111,7 +113,13 @@ async def test_an_event_delivered_late_applies_the_intent_as_it_is_now(
         assert made.charge_id is not None
         old = stripe_event(
             "payment_intent.processing",
-            {"id": made.charge_id, "object": "payment_intent", "status": "processing"},
+            {
+                "id": made.charge_id,
+                "object": "payment_intent",
+                "status": "processing",
+                # an intent's event carries its metadata (one without ours is ignored)
+                "metadata": {"order_id": "2", "billing_period": PERIOD.isoformat()},
+            },
         )
         async with running_receiver(stripe_settings(database_url, stripe_sim)) as receiver:
             answer = await receiver.post(
@@ -238,4 +246,62 @@ async def test_the_refetch_spends_a_token_of_the_fleets_rate_limit(
         assert bucket == 1, "the re-fetch took no token from the fleet's bucket"
     finally:
         await gateway.aclose()
+        await db.close()
+
+
+async def foreign_intent(sim: Provider) -> str:
+    """A PaymentIntent another integration made on the account: no metadata of ours."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        made = await client.post(
+            f"{sim.url}/v1/payment_intents",
+            data={
+                "amount": "1500",
+                "currency": "eur",
+                "customer": "cus_checkout",
+                "payment_method": "pm_card_checkout",
+                "confirm": "true",
+                "off_session": "true",
+            },
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+    made.raise_for_status()
+    return str(made.json()["id"])
+
+
+async def test_events_of_intents_without_our_metadata_are_ignored_not_retried(
+    database_url: str, stripe_sim: Provider
+) -> None:
+    """Issue 34 item 5: Checkout's and other integrations' intents are answered 200 and
+    journaled `ignored` at once; a charge or dispute naming no intent is 200 `ignored`, not
+    400; a re-fetch that finds no metadata of ours and no ledger row is `stale`."""
+    db = await asyncpg.connect(database_url)
+    try:
+        foreign = await foreign_intent(stripe_sim)
+        intent = stripe_event(
+            "payment_intent.succeeded",
+            {"id": foreign, "object": "payment_intent", "status": "succeeded", "metadata": {}},
+        )
+        no_intent = stripe_event(
+            "charge.refunded", {"id": "ch_legacy", "object": "charge", "payment_intent": None}
+        )
+        dispute = stripe_event(
+            "charge.dispute.created", {"id": "dp_1", "object": "dispute", "payment_intent": foreign}
+        )
+        async with running_receiver(stripe_settings(database_url, stripe_sim)) as receiver:
+            answers = [
+                await receiver.post(
+                    body, headers={"Stripe-Signature": stripe_signature(SECRET, body)}
+                )
+                for body in (intent, no_intent, dispute)
+            ]
+            assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+            assert answers[1].json()["ignored"] is True
+            assert await status_of(db, json.loads(intent)["id"]) == "ignored"
+            dispute_id = json.loads(dispute)["id"]
+            await eventually(lambda: settled(db, dispute_id), "the dispute processed")
+        rows = {r["event_id"]: r for r in await journal(db)}
+        assert set(rows) == {json.loads(intent)["id"], dispute_id}
+        assert rows[dispute_id]["status"] == "stale"
+        assert rows[dispute_id]["attempts"] == 1
+    finally:
         await db.close()

@@ -72,7 +72,6 @@ def test_a_type_the_ledger_does_not_use_is_not_journaled() -> None:
     "raw",
     [
         b"{}",
-        body("charge.refunded", {"id": "ch_1", "object": "charge"}),  # names no intent
         json.dumps({"id": "evt_1", "type": "x", "created": "soon", "data": {}}).encode(),
     ],
 )
@@ -92,3 +91,24 @@ def test_a_refetched_object_replaces_the_events_state_and_names_the_key() -> Non
     assert (first.object_status, first.refunded, first.amount_refunded) == ("succeeded", True, 990)
     assert first.key == (7, dt.date(2026, 12, 1))
     assert later.revision >= first.revision > 1  # the moment of the fetch
+
+
+def test_an_intent_without_our_metadata_is_journaled_ignored() -> None:
+    """Issue 34 item 5: Checkout's, Billing's, other integrations' intents."""
+    raw = body("payment_intent.succeeded", {"id": "pi_2", "object": "payment_intent"})
+    entry = journal_entry("gateway", "stripe", raw, "")
+    assert entry is not None
+    assert (entry.object_id, entry.status) == ("pi_2", "ignored")
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"id": "ch_1", "object": "charge"},
+        {"id": "dp_1", "object": "dispute", "payment_intent": None},
+    ],
+)
+def test_a_charge_or_dispute_naming_no_intent_is_not_journaled(obj: dict[str, Any]) -> None:
+    """Issue 34 item 5: answered 200 `ignored`, not 400 (Stripe retries a 4xx for days)."""
+    kind = "charge.refunded" if obj["object"] == "charge" else "charge.dispute.created"
+    assert journal_entry("gateway", "stripe", body(kind, obj), "") is None

@@ -148,3 +148,10 @@ def test_processing_is_open_until_it_settles(
 def test_a_fetch_older_than_the_one_applied_is_stale() -> None:
     # re-fetched objects carry the moment of the fetch as their revision
     assert isinstance(decide(snapshot(charge_id="pi_1", revision=4), PROCESSING), Stale)
+
+
+def test_a_snapshot_without_our_metadata_and_no_row_holding_it_is_stale() -> None:
+    """Issue 34 item 5: nothing will ever record a charge that is not ours: not a wait."""
+    foreign = Snapshot("charge.refunded", "pi_9", 2, "succeeded", True, 1500, keyed=False)
+    decision = decide(foreign, None)
+    assert isinstance(decision, Stale), decision

@@ -1,6 +1,7 @@
 """Every SQL statement on the webhook journal (`webhook_inbox`) and its effect on the ledger.
 
-A row's life: `received` (journaled by the receiver, before its 2xx) -> `processing` (leased
+A row's life: `received` (journaled by the receiver, before its 2xx; or `ignored` at once, an
+event about a charge that is not ours, final like `applied`) -> `processing` (leased
 by one processor: `lease_owner`, until `next_attempt_at`) -> `applied` | `stale` |
 `needs_review`, or `awaiting_dependency` (taken again at `next_attempt_at`). A processor that
 dies leaves its rows `processing` with a lease that expires: they are taken again, so an event
@@ -41,8 +42,9 @@ ACTOR = "webhooks"
 
 _JOURNAL = """
 INSERT INTO webhook_inbox (source, event_id, message_id, event_type, object_id, revision,
-                           order_id, billing_period, payload)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)
+                           order_id, billing_period, payload, status, finished_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
+        CASE WHEN $10 = 'ignored' THEN now() END)
 ON CONFLICT (source, event_id) DO NOTHING
 RETURNING id
 """
@@ -141,21 +143,23 @@ _FINISH = """
 UPDATE webhook_inbox
    SET status = $3, outcome = $4, last_error = $5, lease_owner = NULL, updated_at = now(),
        next_attempt_at = now() + make_interval(secs => $6),
-       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'needs_review') THEN now() END
+       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'ignored', 'needs_review')
+                          THEN now() END
  WHERE id = $1 AND lease_owner = $2 AND status = 'processing'
 """
 
 _PURGE = """
 DELETE FROM webhook_inbox WHERE id IN (
     SELECT id FROM webhook_inbox
-     WHERE status IN ('applied', 'stale') AND received_at < now() - make_interval(secs => $1)
+     WHERE status IN ('applied', 'stale', 'ignored')
+       AND received_at < now() - make_interval(secs => $1)
      ORDER BY received_at LIMIT $2)
 """
 
 _OPEN_COUNTS = """
 SELECT status, count(*) AS n,
        coalesce(extract(epoch FROM now() - min(received_at)), 0)::float8 AS oldest_s
-  FROM webhook_inbox WHERE status NOT IN ('applied', 'stale') GROUP BY status
+  FROM webhook_inbox WHERE status NOT IN ('applied', 'stale', 'ignored') GROUP BY status
 """
 
 _STATUS_OF: dict[type, str] = {
@@ -182,6 +186,7 @@ class Entry:
     order_id: int | None
     billing_period: dt.date | None
     payload: str
+    status: str = "received"  # or `ignored`: final at once, never processed
 
 
 @dataclass(frozen=True)
@@ -212,8 +217,9 @@ class Job:
     def snapshot(self, state: str | None = None) -> Snapshot:
         """What the event says; `state` (a lookup's answer, `rules.state_of`) replaces the
         charge's status and refund fields."""
+        keyed = self.key is not None
         if state is not None:
-            return Snapshot(self.event_type, self.charge_id, self.revision, state)
+            return Snapshot(self.event_type, self.charge_id, self.revision, state, keyed=keyed)
         return Snapshot(
             self.event_type,
             self.charge_id,
@@ -221,6 +227,7 @@ class Job:
             self.object_status,
             refunded=self.refunded,
             amount_refunded=self.amount_refunded,
+            keyed=keyed,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -264,6 +271,7 @@ class Inbox:
                     entry.order_id,
                     entry.billing_period,
                     entry.payload,
+                    entry.status,
                 )
             except asyncpg.DataError as error:  # e.g. \u0000, which jsonb cannot hold
                 raise MalformedDelivery("the body cannot be stored as jsonb") from error
@@ -373,7 +381,8 @@ class Inbox:
             await _Held(conn, job, owner).finish("received", error=error, delay_s=delay_s)
 
     async def purge(self, retention_s: float, *, batch: int = 1000) -> int:
-        """Delete applied and stale rows received over `retention_s` ago; the number deleted."""
+        """Delete applied, stale and ignored rows received over `retention_s` ago; the
+        number deleted."""
         deleted = 0
         while True:
             async with translated():

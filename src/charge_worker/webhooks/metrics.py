@@ -32,7 +32,9 @@ DELIVERY_RESULTS = (
     "malformed",
     "unauthorized",
     "unavailable",
-    "ignored",  # a provider's event type the ledger does not use (Stripe sends many)
+    # a provider's event type the ledger does not use (Stripe sends many), or an event about
+    # a charge not ours (an intent without our metadata: journaled `ignored`)
+    "ignored",
 )
 
 

@@ -21,7 +21,10 @@ The `stripe` scheme (`GATEWAY_KIND=stripe`) checks `Stripe-Signature` instead, a
 Stripe's event envelope: its object (a PaymentIntent, or a Charge or Dispute naming one)
 carries no revision, so the journal row names the PaymentIntent and the processor applies
 the PaymentIntent as the adapter re-fetches it (`STRIPE_EVENT_TYPES`). Event types the
-ledger has no use for are answered 200 and not journaled (`ignored`).
+ledger has no use for, and a Charge or Dispute naming no PaymentIntent, are answered 200 and
+not journaled (`ignored`); a PaymentIntent without our `order_id`/`billing_period` metadata
+(Checkout, Billing, another integration) is journaled `ignored`, final at once: answered 200,
+never retried, never reviewed.
 """
 
 from __future__ import annotations
@@ -117,13 +120,14 @@ class StripeObject(_Model):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @property
-    def intent_id(self) -> str:
-        """The PaymentIntent the event is about (the ledger's `gateway_charge_id`)."""
-        if self.object == "payment_intent" or self.id.startswith("pi_"):
-            return self.id
-        if self.payment_intent is None:
-            raise MalformedDelivery(f"the {self.object or 'object'} names no payment_intent")
-        return self.payment_intent
+    def is_intent(self) -> bool:
+        return self.object == "payment_intent" or self.id.startswith("pi_")
+
+    @property
+    def intent_id(self) -> str | None:
+        """The PaymentIntent the event is about (the ledger's `gateway_charge_id`); None
+        for a Charge or Dispute naming none (made without one: not by us)."""
+        return self.id if self.is_intent else self.payment_intent
 
 
 class StripeEventData(_Model):
@@ -161,25 +165,31 @@ def _key_of(metadata: dict[str, Any]) -> tuple[int | None, dt.date | None]:
 
 
 def journal_entry(source: str, scheme: Scheme, body: bytes, message_id: str) -> Entry | None:
-    """The journal row of a verified body; None for a Stripe event type the ledger does not
-    use. `MalformedDelivery` when the body is no event of the scheme."""
+    """The journal row of a verified body; None for a Stripe event the ledger does not use
+    (its type, or a charge naming no intent). `MalformedDelivery` when the body is no event
+    of the scheme."""
     if scheme == "stripe":
         stripe_event = parse_stripe_event(body)
         kind = STRIPE_EVENT_TYPES.get(stripe_event.type)
-        if kind is None:
-            return None
         found = stripe_event.data.object
+        intent = found.intent_id
+        if kind is None or intent is None:
+            return None
         order_id, period = _key_of(found.metadata)
+        # an intent carries its metadata: without ours it is another integration's. A
+        # Charge's or Dispute's may not: the processor re-fetches its intent to know.
+        foreign = found.is_intent and order_id is None
         return Entry(
             source,
             stripe_event.id,
             message_id or stripe_event.id,
             kind,
-            found.intent_id,
+            intent,
             STRIPE_REVISION,
             order_id,
             period,
             body.decode(),
+            "ignored" if foreign else "received",
         )
     event = parse_event(body)
     order_id, period = event.key()
@@ -287,8 +297,10 @@ def receiver(
                 status_code=503,
                 headers={"Retry-After": "1"},
             )
-        metrics.deliveries.labels(source, "journaled" if new else "duplicate").inc()
-        if new:
+        ignored = entry.status == "ignored"
+        result = "ignored" if ignored else "journaled"
+        metrics.deliveries.labels(source, result if new else "duplicate").inc()
+        if new and not ignored:
             on_journaled()
         else:
             metrics.duplicates.labels(source).inc()
@@ -302,7 +314,9 @@ def receiver(
             charge_id=entry.object_id,
             revision=entry.revision,
             duplicate=not new,
+            ignored=ignored,
         )
-        return JSONResponse({"received": entry.event_id, "duplicate": not new})
+        answer: dict[str, object] = {"received": entry.event_id, "duplicate": not new}
+        return JSONResponse(answer | ({"ignored": True} if ignored else {}))
 
     return receive

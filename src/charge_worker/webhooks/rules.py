@@ -14,6 +14,7 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 |--------------------------------------|--------------------------------|-------------------------|
 | any                                  | a newer revision is journaled  | stale                   |
 | any                                  | partly refunded                | review                  |
+| none, and no metadata of ours        | any                            | stale (not ours)        |
 | none yet                             | any                            | wait                    |
 | holds another charge id              | newer revision already applied | stale                   |
 |                                      | succeeded, or a dispute        | review (double charge)  |
@@ -72,7 +73,8 @@ def state_of(status: str, *, refunded: bool) -> str:
 @dataclass(frozen=True)
 class Snapshot:
     """What an event says: charge `charge_id` had gateway `status` at `revision`, with
-    `amount_refunded` (minor units) of it refunded, all of it when `refunded`."""
+    `amount_refunded` (minor units) of it refunded, all of it when `refunded`; `keyed`: it
+    carries our `order_id`/`billing_period` metadata."""
 
     event_type: str
     charge_id: str
@@ -80,6 +82,7 @@ class Snapshot:
     status: str
     refunded: bool = False
     amount_refunded: int = 0
+    keyed: bool = True
 
     @property
     def state(self) -> str:
@@ -167,6 +170,11 @@ def _decide(
     if refused is not None:
         return refused
     target = LEDGER_STATUS[event.state]
+    if row is None and not event.keyed:  # no worker will ever record a charge not ours
+        return Stale(
+            f"{event.charge_id} carries no order_id/billing_period of ours and no ledger row "
+            "holds it: not ours"
+        )
     if row is None:
         return Wait("no ledger row for this charge's order and period yet")
     dispute = event.event_type == DISPUTE
