@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from charge_worker.reconcile import checkpoint as checkpoints
 from charge_worker.reconcile.discrepancies import UNSEEN
 from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
@@ -320,3 +321,32 @@ async def test_a_run_stopped_partway_is_taken_on_by_the_next_from_where_it_got(
     assert (next_run.pages, next_run.charges_seen) == (1, from_there)
     assert from_there <= 51  # page 2, and page 1's last second again: not the window
     assert [f.key for f in next_run.findings["unrecorded_charges"]] == [key(1)]
+
+
+async def test_a_checkpoint_is_never_stored_beyond_the_database_s_clock(
+    conn: asyncpg.Connection,
+) -> None:
+    """A pod whose clock runs an hour ahead reads `until` an hour in the future: stored as
+    is, the next run would start from there and skip the hour of history created in
+    between. The checkpoint is the database's clock, whatever reading it is given."""
+    ahead = await conn.fetchval("SELECT now() + interval '1 hour'")
+
+    await checkpoints.store(conn, ahead)
+
+    stored = await checkpoint(conn)
+    assert stored is not None
+    assert stored <= await conn.fetchval("SELECT now()")
+
+
+async def test_a_run_reads_its_clock_from_the_database(
+    settings: Settings, conn: asyncpg.Connection
+) -> None:
+    """The run's `until` (and so the checkpoint it stores) lies between the database's
+    clock before the run and after it."""
+    before = await conn.fetchval("SELECT now()")
+    report = await run_reconcile(settings)
+    after = await conn.fetchval("SELECT now()")
+
+    assert report.until is not None
+    assert before <= report.until <= after
+    assert await checkpoint(conn) == report.until

@@ -15,7 +15,10 @@ The overlap covers the gateway's clock skew and listing lag: a charge the gatewa
 late, or stamps early, is read by the next run. The checkpoint lives in the ledger's own
 database and is written after every read and repair it vouches for, so a failover that
 loses a ledger commit loses the checkpoints written after it too: that history is read
-again. `plan` is pure; `read` and `store` are the table's two statements.
+again. Every moment of it is the database's clock (`now`), the one `updated_at` and
+`settled_at` are written by, never the pod's: a pod whose clock runs ahead would store a
+checkpoint beyond the history read, and the next run would skip what was created between.
+`plan` is pure; `now`, `read` and `store` are the table's three statements.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ Mode = Literal["window", "incremental", "full", "since"]
 SOURCE = "gateway"
 
 _READ = "SELECT reconciled_until FROM reconcile_checkpoint WHERE source = $1"
+# Never beyond the database's clock: a reading from ahead would skip the history between.
 _STORE = """
-INSERT INTO reconcile_checkpoint (source, reconciled_until) VALUES ($1, $2)
-ON CONFLICT (source) DO UPDATE SET reconciled_until = $2, updated_at = now()
+INSERT INTO reconcile_checkpoint (source, reconciled_until) VALUES ($1, least($2, now()))
+ON CONFLICT (source) DO UPDATE SET reconciled_until = least($2, now()), updated_at = now()
 """
 
 
@@ -83,6 +87,12 @@ def plan(
     )
 
 
+async def now(conn: asyncpg.Connection) -> dt.datetime:
+    """The database's clock: the moment a run starts at, and reads the history until."""
+    value: dt.datetime = await conn.fetchval("SELECT now()")
+    return value
+
+
 async def read(conn: asyncpg.Connection) -> dt.datetime | None:
     """The stored checkpoint, or None before the first real run."""
     value: dt.datetime | None = await conn.fetchval(_READ, SOURCE)
@@ -90,5 +100,6 @@ async def read(conn: asyncpg.Connection) -> dt.datetime | None:
 
 
 async def store(conn: asyncpg.Connection, until: dt.datetime) -> None:
-    """Record that the history created until `until` is reconciled."""
+    """Record that the history created until `until` is reconciled (at most until the
+    database's clock now: a reading from a clock ahead of it is no proof)."""
     await conn.execute(_STORE, SOURCE, until)

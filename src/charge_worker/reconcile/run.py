@@ -166,12 +166,12 @@ async def _run(
     progress: Callable[[str], None],
     every: int,
 ) -> Report:
-    started = dt.datetime.now(dt.UTC)
     cfg = settings.reconcile
-    report = Report(started_at=started, since=started, dry_run=dry_run)
     gateway = build_gateway(settings.gateway)  # checks GATEWAY_URL / GATEWAY_API_KEY first
     try:
         async with _ledger(settings.db) as conn, translated():
+            started = await checkpoint.now(conn)  # the database's clock, never the pod's
+            report = Report(started_at=started, since=started, dry_run=dry_run)
             await privileges.require(conn, privileges.RECONCILE)
             if not dry_run and not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
                 report.skipped = SKIPPED
