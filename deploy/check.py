@@ -91,6 +91,16 @@ class Refusal:
 REFUSALS = [
     Refusal("the bare chart defaults (no servers, no Secret name)", {}, "is required", base=[]),
     Refusal(
+        "the receiver without a Secret of its own",
+        {"webhooks": {"secrets": {"existingSecret": ""}}},
+        "webhooks.secrets.existingSecret is required",
+    ),
+    Refusal(
+        "the receiver sharing the worker's Secret",
+        {"webhooks": {"secrets": {"existingSecret": "charge-worker"}}},
+        "must be another Secret than secrets.existingSecret",
+    ),
+    Refusal(
         "a grace period not longer than the drain",
         {"worker": {"terminationGracePeriodSeconds": 20}},
         "must be longer than CHARGE_WORKER_DRAIN_S",

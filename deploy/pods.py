@@ -13,7 +13,8 @@ from deploy.workloads import schema_owner
 
 # Which secrets each component gets, and no others (least privilege: produce never sees the
 # gateway key, only the receiver sees the webhook signing secrets, the migration hook and
-# maintain get the schema owner's DSN under DATABASE_URL).
+# maintain get the schema owner's DSN under DATABASE_URL). The receiver's come from a Secret
+# of its own (webhooks.secrets): its own role and read-only key, never the worker's.
 SECRETS_OF = {
     "worker": {"DATABASE_URL", "GATEWAY_API_KEY"},
     "webhooks": {"DATABASE_URL", "GATEWAY_API_KEY", "CHARGE_WORKER_WEBHOOK_SECRETS"},
@@ -105,10 +106,14 @@ def check_secrets(rendered: Rendered) -> list[str]:
     for key in sorted(secret_names & set(rendered.settings)):
         problems.append(f"ConfigMap: holds the secret setting {key}")
     existing = rendered.values["secrets"]["existingSecret"]
+    own = rendered.values["webhooks"]["secrets"]
     roles = {
         "the schema owner": schema_owner(rendered),
         "the worker role": (existing, rendered.values["secrets"]["databaseUrlKey"]),
+        "the receiver's role": (own["existingSecret"], own["databaseUrlKey"]),
     }
+    if own["existingSecret"] == existing:
+        problems.append(f"webhooks.secrets.existingSecret is the worker's Secret {existing}")
     for pod in rendered.pods():
         wanted = SECRETS_OF.get(pod.component)
         if wanted is None:
@@ -125,13 +130,18 @@ def check_secrets(rendered: Rendered) -> list[str]:
                 problems.append(
                     f"{where}: gets secrets {sorted(given)}, should get {sorted(wanted)}"
                 )
+            secret = own["existingSecret"] if pod.component == "webhooks" else existing
             for entry in env.values():
                 ref = secret_ref(entry)
-                if ref and pod.component not in SCHEMA_OWNER and ref[0] != existing:
-                    problems.append(
-                        f"{where}: {entry['name']} from Secret {ref[0]}, not {existing}"
-                    )
-            role = "the schema owner" if pod.component in SCHEMA_OWNER else "the worker role"
+                if ref and pod.component not in SCHEMA_OWNER and ref[0] != secret:
+                    problems.append(f"{where}: {entry['name']} from Secret {ref[0]}, not {secret}")
+            role = (
+                "the schema owner"
+                if pod.component in SCHEMA_OWNER
+                else "the receiver's role"
+                if pod.component == "webhooks"
+                else "the worker role"
+            )
             database = secret_ref(env.get("DATABASE_URL"))
             if database is not None and database != roles[role]:
                 problems.append(

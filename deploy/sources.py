@@ -118,6 +118,7 @@ def check_chart_defaults(defaults: dict[str, Any]) -> list[str]:
         "secrets.existingSecret",
         "natsCredentials.existingSecret",
         "migrate.existingSecret",
+        "webhooks.secrets.existingSecret",
     ):
         node: Any = defaults
         for part in path.split("."):

@@ -1,7 +1,9 @@
 """The PostgreSQL privileges each command needs on our tables, and the check of them.
 
-Every command but `migrate` runs as the worker role (`DATABASE_URL`), which the README's
-"Deploying" section grants exactly what these lists name, and nothing more. A grant left
+Every command but `migrate` and `maintain` runs as a least-privilege role (`DATABASE_URL`):
+`webhooks`, the internet-facing receiver, as a role of its own granted exactly `WEBHOOKS`;
+the others as the worker role, granted exactly what the other lists name. The README's
+"Deploying" section has the GRANT statements, and nothing more. A grant left
 out does not stop a command from starting: it fails the first statement that needs it,
 which may be deep into a run (a delivery journaled by nobody, a refund made but not
 recorded). So the long-running commands check in `/readyz` (`not_granted`, which names the
@@ -77,6 +79,8 @@ WEBHOOKS = Needs(
         # a charge a webhook shows made with no verdict kept is checked after the fact
         Grant("deferred_scoring_checks", ("SELECT", "INSERT")),
         _EVENTS,
+        # its re-fetches and lookups spend the fleet's gateway rate too (serve.py)
+        _RATE,
     ),
 )
 PRODUCE = Needs(

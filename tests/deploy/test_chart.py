@@ -152,7 +152,7 @@ def test_the_receiver_runs_webhooks_with_its_secrets_by_reference(value_set: str
     assert deployment["metadata"]["name"].endswith("-webhooks")
     container = _container(rendered, "webhooks")
     assert container["args"][0] == "webhooks"
-    secrets = rendered.values["secrets"]
+    secrets = rendered.values["webhooks"]["secrets"]
     assert _env(rendered, "webhooks", "CHARGE_WORKER_WEBHOOK_SECRETS") == {
         "name": "CHARGE_WORKER_WEBHOOK_SECRETS",
         "valueFrom": {
@@ -167,6 +167,23 @@ def test_the_receiver_runs_webhooks_with_its_secrets_by_reference(value_set: str
     }
     others = [p for p in rendered.pods() if p.component != "webhooks"]
     assert all("CHARGE_WORKER_WEBHOOK_SECRETS" not in str(p.spec) for p in others)
+
+
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_the_receiver_holds_neither_the_worker_role_nor_the_workers_gateway_key(
+    value_set: str,
+) -> None:
+    """The internet-facing pods: their own database role and gateway key, from a Secret of
+    their own (issue 34, item 6)."""
+    rendered = rendered_for(value_set)
+    own = rendered.values["webhooks"]["secrets"]
+    worker = rendered.values["secrets"]
+    assert own["existingSecret"] not in ("", worker["existingSecret"])
+    for name, key in (("DATABASE_URL", "databaseUrlKey"), ("GATEWAY_API_KEY", "gatewayApiKeyKey")):
+        assert secret_ref(_env(rendered, "webhooks", name)) == (own["existingSecret"], own[key])
+        assert secret_ref(_env(rendered, "worker", name)) == (worker["existingSecret"], worker[key])
+    others = [p for p in rendered.pods() if p.component != "webhooks"]
+    assert all(own["existingSecret"] not in str(p.spec) for p in others)
 
 
 def test_the_webhook_secrets_are_a_secret_setting() -> None:

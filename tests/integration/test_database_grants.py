@@ -1,5 +1,6 @@
 """The README's database grants, set up exactly as written: every long-running command works
-with them, and its `/readyz` fails naming the table when one is missing.
+with them, and its `/readyz` fails naming the table when one is missing. The internet-facing
+webhook receiver has a role of its own, holding exactly what `privileges.WEBHOOKS` names.
 
 The roles come from the README's own SQL (tests/support/grants.py); the test server is the
 embedded PostgreSQL, where the suite connects as a superuser.
@@ -17,6 +18,7 @@ from nats.aio.client import Client
 from charge_worker import privileges
 from charge_worker.errors import SettingsError
 from charge_worker.migrate import migrate
+from charge_worker.ratelimit import RateLimiter
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
 from tests.support.grants import Roles, readme_roles
@@ -57,7 +59,7 @@ async def test_with_the_readme_grants_the_receiver_journals_and_applies_deliveri
 ) -> None:
     await add_row(owner, 1, "succeeded", charge_id="ch_1")
     refund = event("ch_1", "charge.refunded", revision=2)
-    async with running_receiver(webhook_settings(roles.worker_url, gateway_sim.url)) as r:
+    async with running_receiver(webhook_settings(roles.webhooks_url, gateway_sim.url)) as r:
         ready = await readyz(r.url)
         answer = await r.post(refund)
         await eventually(lambda: settled(owner, refund["id"]), "the refund applied")
@@ -73,9 +75,9 @@ async def test_the_receivers_readyz_names_the_table_of_a_missing_grant(
     roles: Roles, owner: asyncpg.Connection, gateway_sim: ServedApp
 ) -> None:
     await add_row(owner, 2, "succeeded", charge_id="ch_2")
-    await roles.as_owner("REVOKE DELETE ON webhook_inbox FROM charge_worker")
+    await roles.as_owner("REVOKE DELETE ON webhook_inbox FROM charge_webhooks")
     refund = event("ch_2", "charge.refunded", revision=2, order_id=2)
-    async with running_receiver(webhook_settings(roles.worker_url, gateway_sim.url)) as r:
+    async with running_receiver(webhook_settings(roles.webhooks_url, gateway_sim.url)) as r:
         ready = await readyz(r.url)
         assert (await r.post(refund)).status_code == 200
         # the purge fails, and the processor goes on applying events all the same
@@ -103,21 +105,66 @@ async def test_the_workers_readyz_names_the_table_of_a_missing_grant(
 
 
 async def test_the_readme_grants_give_every_command_what_it_needs(roles: Roles) -> None:
-    conn = await asyncpg.connect(roles.worker_url)
-    try:
-        for needs in privileges.EVERY_COMMAND:
+    for needs in privileges.EVERY_COMMAND:
+        url = roles.webhooks_url if needs is privileges.WEBHOOKS else roles.worker_url
+        conn = await asyncpg.connect(url)
+        try:
             assert await privileges.missing(conn, needs) == [], needs.command
             await privileges.require(conn, needs)
+        finally:
+            await conn.close()
+
+
+# what a role holds on the tables and sequences: (relation, privilege)
+_HELD = """
+SELECT c.relname AS relation, p.privilege_type AS privilege
+  FROM pg_class c
+  JOIN pg_namespace n ON n.oid = c.relnamespace,
+       LATERAL aclexplode(c.relacl) p
+ WHERE n.nspname = 'public' AND p.grantee = $1::regrole
+"""
+
+
+def named(needs: privileges.Needs) -> set[tuple[str, str]]:
+    """(relation, privilege) pairs `needs` names, a serial column's as its sequence's."""
+    return {
+        (f"{table}_{serial}_seq", "USAGE") if serial else (table, privilege)
+        for grant in needs.grants
+        for table, privilege, serial in grant.requirements()
+    }
+
+
+async def test_the_webhooks_role_holds_exactly_what_the_receiver_uses(roles: Roles) -> None:
+    """The internet-facing pods: their role can do what `webhooks` does and nothing else (no
+    subscriptions, no INSERT of a charge row, no reconcile tables)."""
+    conn = await asyncpg.connect(roles.superuser_url)
+    try:
+        held = {(r["relation"], r["privilege"]) for r in await conn.fetch(_HELD, roles.webhooks)}
+        worker = {(r["relation"], r["privilege"]) for r in await conn.fetch(_HELD, roles.worker)}
     finally:
         await conn.close()
+    assert held == named(privileges.WEBHOOKS)
+    # and the worker role no longer holds the receiver's journal
+    assert not {relation for relation, _ in worker} & {"webhook_inbox", "webhook_inbox_id_seq"}
+    others = (privileges.RUN, privileges.PRODUCE, privileges.RECONCILE, privileges.EXPLAIN)
+    assert worker == set().union(*(named(needs) for needs in others))
+
+
+async def test_the_webhooks_role_may_spend_the_fleets_rate_limit_tokens(roles: Roles) -> None:
+    """The receiver's gateway requests (re-fetches, lookups) take the fleet's tokens."""
+    pool = await asyncpg.create_pool(roles.webhooks_url, min_size=1, max_size=1)
+    try:
+        await RateLimiter(pool, rate_per_s=100).spend()
+    finally:
+        await pool.close()
 
 
 async def test_a_command_without_a_grant_fails_at_start_naming_it(roles: Roles) -> None:
     await roles.as_owner(
-        "REVOKE UPDATE ON charge_attempts FROM charge_worker;"
-        " REVOKE USAGE ON SEQUENCE charge_events_id_seq FROM charge_worker"
+        "REVOKE UPDATE ON charge_attempts FROM charge_webhooks;"
+        " REVOKE USAGE ON SEQUENCE charge_events_id_seq FROM charge_webhooks"
     )
-    conn = await asyncpg.connect(roles.worker_url)
+    conn = await asyncpg.connect(roles.webhooks_url)
     try:
         with pytest.raises(SettingsError) as raised:
             await privileges.require(conn, privileges.WEBHOOKS)
@@ -137,5 +184,6 @@ async def test_before_the_migrations_the_tables_are_named_missing(empty_database
     finally:
         await conn.close()
     assert lacking[0] == "table webhook_inbox (it does not exist: run charge-worker migrate)"
-    # webhook_inbox, charge_attempts, deferred_scoring_checks, charge_events, once each
-    assert len(lacking) == 4
+    # webhook_inbox, charge_attempts, deferred_scoring_checks, charge_events, rate_buckets,
+    # once each
+    assert len(lacking) == 5

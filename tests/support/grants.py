@@ -1,4 +1,4 @@
-"""The README's two PostgreSQL roles, set up from the README itself.
+"""The README's three PostgreSQL roles, set up from the README itself.
 
 The SQL block of the README's "Deploying" section is read and run as written, section by
 section (`-- as a superuser:`, `-- as a superuser, in billing:`, `-- as charge_owner, in
@@ -69,6 +69,7 @@ class Roles:
     admin_url: str
     owner: str
     worker: str
+    webhooks: str
     database: str
 
     @property
@@ -78,6 +79,11 @@ class Roles:
     @property
     def worker_url(self) -> str:
         return with_user(self.admin_url, self.worker, self.database)
+
+    @property
+    def webhooks_url(self) -> str:
+        """The webhook receiver's own role (`charge-worker webhooks`)."""
+        return with_user(self.admin_url, self.webhooks, self.database)
 
     @property
     def superuser_url(self) -> str:
@@ -90,6 +96,7 @@ class Roles:
         for generic, mine in (
             ("charge_owner", self.owner),
             ("charge_worker", self.worker),
+            ("charge_webhooks", self.webhooks),
             ("billing", self.database),
         ):
             statement = re.sub(rf"\b{generic}\b", mine, statement)
@@ -116,7 +123,7 @@ class Roles:
         conn = await asyncpg.connect(self.admin_url)
         try:
             await conn.execute(f"DROP DATABASE IF EXISTS {self.database} WITH (FORCE)")
-            for role in (self.worker, self.owner):
+            for role in (self.webhooks, self.worker, self.owner):
                 await conn.execute(f"DROP ROLE IF EXISTS {role}")
         finally:
             await conn.close()
@@ -126,7 +133,13 @@ async def readme_roles(admin_url: str, migrate: Callable[[str], Awaitable[None]]
     """The README's roles and database, set up as it says: the superuser's sections, then
     `migrate(owner_url)` (charge-worker migrate as the owner), then the owner's grants."""
     uid = uuid.uuid4().hex[:8]
-    roles = Roles(admin_url, f"charge_owner_{uid}", f"charge_worker_{uid}", f"billing_{uid}")
+    roles = Roles(
+        admin_url,
+        f"charge_owner_{uid}",
+        f"charge_worker_{uid}",
+        f"charge_webhooks_{uid}",
+        f"billing_{uid}",
+    )
     await roles.run("superuser", admin_url)
     await roles.run("superuser in db", roles.superuser_url)
     await migrate(roles.owner_url)

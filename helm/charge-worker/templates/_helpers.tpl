@@ -108,13 +108,14 @@ falling back to charge-worker's default when it is unset.
 
 {{/*
 Secrets, by reference only. `keys` lists what a component gets: of the shared Secret's keys
-"databaseUrl" (DATABASE_URL), "gatewayApiKey" (GATEWAY_API_KEY), "webhookSecrets"
-(CHARGE_WORKER_WEBHOOK_SECRETS); "ownerDatabaseUrl" (DATABASE_URL too, but the schema owner's:
-the migration hook's migrate.existingSecret / migrate.databaseUrlKey); "natsCredentials" for
-the NATS credentials file, when set.
+"databaseUrl" (DATABASE_URL), "gatewayApiKey" (GATEWAY_API_KEY); "ownerDatabaseUrl"
+(DATABASE_URL too, but the schema owner's: the migration hook's migrate.existingSecret /
+migrate.databaseUrlKey); "webhooks" for the receiver's own Secret (webhooks.secrets: its
+DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS, never the worker's);
+"natsCredentials" for the NATS credentials file, when set.
 */}}
 {{- define "charge-worker.secretEnv" -}}
-{{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
+{{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL and GATEWAY_API_KEY (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
 {{- if has "databaseUrl" .keys }}
 - name: DATABASE_URL
   valueFrom:
@@ -136,12 +137,27 @@ the NATS credentials file, when set.
       name: {{ $secret }}
       key: {{ .ctx.Values.secrets.gatewayApiKeyKey }}
 {{- end }}
-{{- if has "webhookSecrets" .keys }}
+{{- if has "webhooks" .keys }}
+{{- $own := .ctx.Values.webhooks.secrets }}
+{{- $name := required "webhooks.secrets.existingSecret is required with webhooks.enabled: the name of the receiver's own Secret, holding its DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS" $own.existingSecret }}
+{{- if eq $name $secret }}
+{{- fail (printf "webhooks.secrets.existingSecret must be another Secret than secrets.existingSecret (%s): the internet-facing receiver gets a database role and a gateway key of its own, never the worker's" $secret) }}
+{{- end }}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ $own.databaseUrlKey }}
+- name: GATEWAY_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ $own.gatewayApiKeyKey }}
 - name: CHARGE_WORKER_WEBHOOK_SECRETS
   valueFrom:
     secretKeyRef:
-      name: {{ $secret }}
-      key: {{ .ctx.Values.secrets.webhookSecretsKey }}
+      name: {{ $name }}
+      key: {{ $own.webhookSecretsKey }}
 {{- end }}
 {{- if and (has "natsCredentials" .keys) .ctx.Values.natsCredentials.existingSecret }}
 - name: CHARGE_WORKER_NATS_CREDS_FILE
