@@ -58,7 +58,7 @@ WARM_UP_ROUNDS = 3
 FAKE_ENV = {
     "NATS_URL": "nats://127.0.0.1:1",
     "DATABASE_URL": "postgresql://fake@127.0.0.1:1/fake",
-    "GATEWAY_URL": "http://gateway",
+    "GATEWAY_URL": "http://127.0.0.1",
     "GATEWAY_API_KEY": "sk_test_overhead",
     "SCORING_URL": "http://scoring",
 }

@@ -9,10 +9,12 @@ alone or in combination, into one `SettingsError` line that names the environmen
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic import model_validator as _model_validator
@@ -139,6 +141,17 @@ class GatewaySettings(_EnvGroup):
     gateway_breaker_reset_s: float = Field(30.0, gt=0)
     gateway_max_connections: int = Field(100, ge=1)
     gateway_rate_limit: float = Field(0.0, ge=0)  # requests per second, the whole fleet; 0: off
+
+    @field_validator("url")
+    @classmethod
+    def _tls_unless_loopback(cls, value: str | None) -> str | None:
+        if value and not _tls_or_loopback(value):
+            raise ValueError(
+                "http:// sends the API key and every charge in clear text; use https://"
+                " (plain http only to a loopback host: 127.0.0.0/8, ::1, localhost)"
+            )
+        return value
+
     # put before every Idempotency-Key sent (charges and refunds), for an account shared with
     # other integrations; empty: the contract's keys exactly. The ledger's keys stay bare.
     idempotency_key_prefix: str = ""
@@ -152,6 +165,20 @@ class GatewaySettings(_EnvGroup):
                 f" (got {len(value)} characters)"
             )
         return value
+
+
+def _tls_or_loopback(url: str) -> bool:
+    """Not `http://`, or `http://` to this host only (nothing leaves it in clear text)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme.lower() != "http":
+        return True
+    host = (parts.hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
 
 
 class ReconcileSettings(_EnvGroup):

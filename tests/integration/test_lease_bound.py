@@ -87,7 +87,7 @@ async def run_once(pool: asyncpg.Pool, gateway: Gateway) -> Outcome:
 def stripe(handler: Handler, **cfg: Any) -> StripeGateway:
     settings = GatewaySettings(
         kind="stripe",
-        url="http://stripe.test",
+        url="http://127.0.0.1",
         api_key=SecretStr("sk_test_lease"),
         gateway_timeout_s=TIMEOUT_S,
         **cfg,
@@ -138,7 +138,7 @@ async def test_a_slow_rate_limit_token_is_waited_for_before_the_lease_is_checked
         return httpx.Response(200, json=body)
 
     settings = GatewaySettings(
-        url="http://gateway.test", api_key=SecretStr("key"), gateway_timeout_s=TIMEOUT_S
+        url="http://127.0.0.1", api_key=SecretStr("key"), gateway_timeout_s=TIMEOUT_S
     )
     gateway = ContractGateway(
         settings,

@@ -42,7 +42,7 @@ OK = {
 
 def client(handler: Callable[[httpx.Request], httpx.Response], **cfg: object) -> ContractGateway:
     settings = GatewaySettings(
-        url="http://gateway.test",
+        url="http://127.0.0.1",
         api_key=SecretStr("sk_test_x"),
         **cfg,  # type: ignore[arg-type]
     )

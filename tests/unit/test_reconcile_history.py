@@ -45,7 +45,7 @@ def gateway(answer: Pages) -> ContractGateway:
         data, has_more = answer(request.url.params.get("starting_after"))
         return httpx.Response(200, json={"data": data, "has_more": has_more})
 
-    settings = GatewaySettings(url="http://gateway.test", api_key=SecretStr("sk_test_x"))
+    settings = GatewaySettings(url="http://127.0.0.1", api_key=SecretStr("sk_test_x"))
     return ContractGateway(settings, transport=httpx.MockTransport(handler))
 
 
@@ -162,7 +162,7 @@ def stripe_gateway(answer: Pages) -> StripeGateway:
         data, has_more = answer(request.url.params.get("starting_after"))
         return httpx.Response(200, json={"object": "list", "data": data, "has_more": has_more})
 
-    settings = GatewaySettings(kind="stripe", url="http://stripe.test", api_key=SecretStr("sk_x"))
+    settings = GatewaySettings(kind="stripe", url="http://127.0.0.1", api_key=SecretStr("sk_x"))
     return StripeGateway(settings, transport=httpx.MockTransport(handler))
 
 

@@ -111,6 +111,12 @@ BROKEN = [
     ({"CHARGE_WORKER_SCORING_POLICY": "maybe"}, "CHARGE_WORKER_SCORING_POLICY"),
     ({"CHARGE_WORKER_METRICS_PORT": "70000"}, "CHARGE_WORKER_METRICS_PORT"),
     ({"CHARGE_WORKER_LOG_LEVEL": "loud"}, "CHARGE_WORKER_LOG_LEVEL"),
+    # issue 34, item 10: the API key and every charge in clear text over a network
+    ({"GATEWAY_URL": "http://gateway.example.com"}, "GATEWAY_URL"),
+    ({"GATEWAY_URL": "HTTP://10.0.0.7:8080"}, "GATEWAY_URL"),
+    ({"GATEWAY_URL": "http://localhost.example.com"}, "GATEWAY_URL"),
+    ({"GATEWAY_URL": "http://127.0.0.1.nip.io"}, "GATEWAY_URL"),
+    ({"GATEWAY_KIND": "stripe", "GATEWAY_URL": "http://api.stripe.com"}, "GATEWAY_URL"),
     (
         {"CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX": "acme billing/"},
         "CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX",
@@ -193,3 +199,20 @@ def test_the_idempotency_key_prefix_is_empty_unless_set(monkeypatch: pytest.Monk
     assert load_settings().gateway.idempotency_key_prefix == ""
     monkeypatch.setenv("CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX", "billing-v2.eu:")
     assert load_settings().gateway.idempotency_key_prefix == "billing-v2.eu:"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://gateway.example.com",
+        "https://10.0.0.7:8443/v1",
+        "http://127.0.0.1:8080",
+        "http://127.8.0.1",
+        "http://localhost:8080",
+        "http://LOCALHOST",
+        "http://[::1]:8080",
+    ],
+)
+def test_a_gateway_url_is_https_or_loopback(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.setenv("GATEWAY_URL", url)
+    assert load_settings().gateway.url == url

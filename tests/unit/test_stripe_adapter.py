@@ -80,9 +80,7 @@ def on_intents(answer: Handler, customer: dict[str, Any] = CUSTOMER) -> Handler:
 
 
 def adapter(handler: Handler, **cfg: Any) -> StripeGateway:
-    settings = GatewaySettings(
-        kind="stripe", url="http://stripe.test", api_key=SecretStr(KEY), **cfg
-    )
+    settings = GatewaySettings(kind="stripe", url="http://127.0.0.1", api_key=SecretStr(KEY), **cfg)
     return StripeGateway(settings, transport=httpx.MockTransport(handler))
 
 
