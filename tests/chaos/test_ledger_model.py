@@ -10,6 +10,13 @@ hypothesis chooses which parked call goes on, what it comes to, and when a worke
 gateway charged but before the answer is recorded; it writes nothing more and its leases
 stay until they expire).
 
+The adapter's flavour is drawn too: 0-2 reads before its charge (the contract adapter:
+none; Stripe: the customer, maybe its cards), each parked at a `read` gate, then the charge
+request's rate-limit token at a `token` gate, and only then the pipeline's `before_send`
+(issue 34 item 1). Time may pass while a flight waits at any of them, so its lease expires
+or is taken over between the worker's last look and its request; time may also pass short
+of expiry (`AWhilePasses`), so that a request may start only after a renewal.
+
 The fake gateway follows contracts/gateway.md: the same Idempotency-Key replays the first
 answer, unless the gateway keeps no keys at all or has forgotten them, which leaves the
 ledger as the only barrier. A request whose client timed out may still land. Time passes by
@@ -18,7 +25,8 @@ past every lease they hold; every gateway request made under the leases it expir
 landed or never will (DESIGN.md: a lease outlives the gateway timeout).
 
 Checked after every step: never two effective charges for one key; a worker in a gateway
-call keeps its lease, and a timed-out request keeps the key leased, until time passes; no
+call keeps its lease, and a timed-out request keeps the key leased, until time passes; a
+charge request starts only under its caller's live lease (neither expired nor taken over); no
 gateway call while another on the key may be under way, none resent without a lookup in the
 same delivery; a call that reached the gateway is counted in the ledger, or its key is still
 leased (by its caller, or by a worker that took the lease over and looks it up); a recorded
@@ -52,11 +60,12 @@ from hypothesis.stateful import (
 )
 from prometheus_client import CollectorRegistry
 
-from charge_worker.errors import DependencyUnavailable, OutcomeUnknown, RateLimited
+from charge_worker.errors import DependencyUnavailable, LeaseHeld, OutcomeUnknown, RateLimited
 from charge_worker.gateway import ChargeResult, GatewayCharge
 from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
 from charge_worker.scoring import ScoringFailure, Verdict
+from charge_worker.settings import LEASE_MARGIN_S
 from charge_worker.worker.consumer import conclude
 from charge_worker.worker.decisions import Ack, Action, DeadLetter, Outcome, Policy, Requeue
 from charge_worker.worker.failpoints import Failpoints
@@ -80,6 +89,8 @@ POLICY = Policy(MAX_DELIVER, BACKOFF_S, ACK_WAIT_S, lease_s=LEASE_S)
 ANSWERS = {
     "score": ("approve", "fail"),
     "lookup": ("answer", "fail"),
+    "read": ("answer", "fail"),  # a read the adapter makes before its charge (its token too)
+    "token": ("granted",),  # the charge request's rate-limit token: waited for, never refused
     "send": ("reach", "timeout", "refused", "timeout", "rate_limited"),
     "answer": ("deliver", "lose"),
 }
@@ -96,6 +107,7 @@ SELECT c.idempotency_key, c.status, c.gateway_charge_id, c.gateway_calls, c.scor
   FROM charge_attempts AS c
 """
 _ROW = "SELECT {} FROM charge_attempts WHERE order_id = $1 AND billing_period = $2"
+_LEASE = _ROW.format("lease_owner, attempt, lease_until > now() AS live")
 _EXPIRE = """
 UPDATE charge_attempts SET lease_until = now() - interval '1 second'
  WHERE lease_until IS NOT NULL AND ($1::bigint IS NULL OR order_id = $1)
@@ -237,6 +249,12 @@ class GoOn:
 
 
 @dataclasses.dataclass(frozen=True)
+class AWhilePasses:
+    """The workers' clock moves on far enough that no lease they hold outlives a charge
+    request any more, though none has expired: a request may start only after a renewal."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TimePasses:
     """Leases expire (all, or one order's); gateway requests under them have landed or
     never will (`landed`); with `forget`, the gateway's key retention ran out too, so a
@@ -260,6 +278,7 @@ STEPS = st.one_of(
     _deliver,
     _deliver,
     st.builds(TimePasses, st.none() | _order, st.booleans(), st.booleans()),
+    st.just(AWhilePasses()),
     st.builds(Deliver, _worker, _order, st.just(True)),
     st.builds(Conflicting, _worker, _order),
 )
@@ -296,8 +315,21 @@ class Port:
         traceparent: str | None = None,
         before_send: Callable[[], Awaitable[None]] | None = None,
     ) -> ChargeResult:
+        # the adapter's reads first (Stripe: the customer, its cards), each with its token,
+        # then the charge request's own token: time may pass at any of them, and leases
+        # expire or are taken over, before the request that can move money starts
+        for _ in range(self.model.requests_before_charge):
+            if await self._park("read") == "fail":
+                raise OutcomeUnknown("gateway GET /v1/customers: timeout")
+        await self._park("token")
         if before_send is not None:
-            await before_send()
+            if await self.model.lease_lapsed(self.flight):
+                event("the charge request's lease lapsed while it waited")
+            try:
+                await before_send()
+            except LeaseHeld:
+                event("before_send refused: the lease was taken over")
+                raise
         await self.model.check_call_may_start(self.flight)
         how = await self._park("send")
         if self.flight.timed_out:  # landed or not when time passed; no late arrival
@@ -337,6 +369,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.metrics = Metrics(CollectorRegistry())
         self.gateway = FakeGateway()
         self.policy = "defer"
+        self.requests_before_charge = 0
         self.month = dict.fromkeys(ORDERS, 0)  # each order's charge due now, in MONTHS
         self.flights: dict[int, Flight] = {}
         self.ids = itertools.count(1)
@@ -349,14 +382,21 @@ class LedgerModel(RuleBasedStateMachine):
 
     # ---- what happens next ---------------------------------------------------------------
 
-    @initialize(idempotent=st.booleans(), policy=st.sampled_from(["defer", "hold"]))
-    def configure(self, idempotent: bool, policy: str) -> None:
-        """A gateway with or without idempotency keys; scoring policy `defer` or `hold`."""
+    @initialize(
+        idempotent=st.booleans(),
+        policy=st.sampled_from(["defer", "hold"]),
+        requests_before_charge=st.integers(0, 2),
+    )
+    def configure(self, idempotent: bool, policy: str, requests_before_charge: int) -> None:
+        """A gateway with or without idempotency keys; scoring policy `defer` or `hold`; an
+        adapter that makes 0..2 reads before its charge request (the contract adapter: none;
+        Stripe: the customer, then maybe its cards)."""
         self.gateway.idempotent = idempotent
         self.policy = policy
+        self.requests_before_charge = requests_before_charge
 
     @rule(step=STEPS)
-    def happens(self, step: Deliver | Conflicting | GoOn | TimePasses) -> None:
+    def happens(self, step: Deliver | Conflicting | GoOn | AWhilePasses | TimePasses) -> None:
         """One thing happens in the world (see STEPS)."""
         match step:
             case Deliver(worker, order_id, again):
@@ -369,6 +409,8 @@ class LedgerModel(RuleBasedStateMachine):
                     self._start(worker, charge, 1, conflicting=True)
             case GoOn(flight, fault):
                 self._go_on(flight, fault)
+            case AWhilePasses():
+                self.now += LEASE_S - LEASE_MARGIN_S  # short of every lease, by the margin
             case TimePasses(order_id, landed, forget):
                 self._expire(order_id, landed=landed)
                 if forget:
@@ -405,9 +447,17 @@ class LedgerModel(RuleBasedStateMachine):
             assert row["lease_owner"] is not None, f"{charge.key} let go while a call is on"
 
     async def check_call_may_start(self, flight: Flight) -> None:
-        """As a charge is sent: no other call on the key is live (its lease would be), and a
-        key called before was looked up first in this delivery."""
+        """As a charge is sent: the caller holds a live lease on the key (not expired, not
+        taken over), no other call on the key is live (its lease would be), and a key called
+        before was looked up first in this delivery."""
         key = flight.charge.key
+        row = await self.pool.fetchrow(_LEASE, flight.charge.order_id, flight.charge.billing_period)
+        assert row is not None
+        if (row["lease_owner"], row["attempt"]) != (flight.worker, flight.attempt):
+            lease = (row["lease_owner"], row["attempt"])
+            self.violations.append(f"{flight} sends under a lease taken over: {lease}")
+        elif not row["live"]:
+            self.violations.append(f"{flight} sends under an expired lease")
         for other in self.flights.values():
             live = other.gate in ("send", "answer") and not other.timed_out
             if live and other is not flight and other.charge.key == key:
@@ -417,6 +467,15 @@ class LedgerModel(RuleBasedStateMachine):
         calls = await self.row_value("gateway_calls", flight.charge)
         if (calls or self.gateway.requests[key]) and not flight.looked_up:
             self.violations.append(f"{flight}: a call resent without a lookup")
+
+    async def lease_lapsed(self, flight: Flight) -> bool:
+        """The flight's lease has expired or was taken over (as it is about to send)."""
+        row = await self.pool.fetchrow(_LEASE, flight.charge.order_id, flight.charge.billing_period)
+        assert row is not None
+        return not row["live"] or (row["lease_owner"], row["attempt"]) != (
+            flight.worker,
+            flight.attempt,
+        )
 
     async def row_value(self, column: str, charge: ChargeDue) -> int:
         sql = _ROW.format(column)
@@ -451,7 +510,8 @@ class LedgerModel(RuleBasedStateMachine):
             self._kill([f for f in self.flights.values() if f.worker == flight.worker])
             return
         answers = ANSWERS[flight.gate]
-        answer = answers[1 + (fault - 1) % (len(answers) - 1)] if fault else answers[0]
+        failures = answers[1:]
+        answer = failures[(fault - 1) % len(failures)] if fault and failures else answers[0]
         row = self.rows.get(flight.charge.key)
         if stale := (row is not None and (flight.attempt or 0) < row["attempt"]):
             event("a flight goes on after its lease was taken over")
@@ -559,7 +619,7 @@ class LedgerModel(RuleBasedStateMachine):
             for charge in waiting:
                 self.deliveries[charge.key] += 1
                 flight = self._start("healer", charge, self.deliveries[charge.key])
-                for _ in ANSWERS:
+                for _ in range(8):  # every gate a charge may park at, at most
                     if flight.gate is None:
                         break
                     self._resume(flight, ANSWERS[flight.gate][0])
