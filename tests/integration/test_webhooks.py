@@ -735,3 +735,46 @@ def test_a_receiver_refuses_to_start_without_a_good_secret(
             asyncio.run(run_webhooks(settings, asyncio.Event()))
         for secret in secrets:
             assert secret not in str(raised.value)
+
+
+# --- issue 34: a charge is recorded only with its fingerprint -----------------------------
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [{"amount": 100}, {"currency": "EUR"}, {"customer": "cus_support_agent"}],
+    ids=["amount", "currency", "customer"],
+)
+async def test_a_lost_answer_with_another_fingerprint_records_nothing(
+    foreign: dict[str, Any], receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    """Issue 34 item 2: a charge made by someone else with our metadata (a support agent, a
+    verification charge) is not the period's payment: the row stays as it was, so the due
+    charge goes ahead, and a person is told."""
+    await add_row(db, 40, "pending")
+    made = event("ch_40", revision=1, order_id=40, **foreign)
+
+    assert (await receiver.post(made)).status_code == 200
+    await eventually(lambda: settled(db, made["id"]), "the event processed")
+
+    row = await ledger(db, 40)
+    assert (row["status"], row["gateway_charge_id"]) == ("pending", None)
+    [journaled] = await journal(db)
+    assert journaled["status"] == "needs_review"
+    assert (journaled["last_error"] or "").startswith("unmatched charge: ch_40"), journaled
+    await counted(receiver, "charge_worker_webhook_unmatched_charges_total")
+
+
+async def test_a_lost_answer_with_our_fingerprint_is_recorded(
+    receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    await add_row(db, 41, "pending")
+    made = event("ch_41", revision=1, order_id=41, currency="rub")  # as a provider spells it
+
+    assert (await receiver.post(made)).status_code == 200
+    await eventually(lambda: settled(db, made["id"]), "the event processed")
+
+    row = await ledger(db, 41)
+    assert (row["status"], row["gateway_charge_id"]) == ("succeeded", "ch_41")
+    assert receiver.metric("charge_worker_webhook_unmatched_charges_total") == 0
+

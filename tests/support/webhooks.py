@@ -77,6 +77,9 @@ def event(
     status: str | None = None,
     event_id: str | None = None,
     legacy: bool = False,
+    amount: int = 99000,
+    currency: str = "RUB",
+    customer: str = "cus_ok",
 ) -> dict[str, Any]:
     """A gateway event about `charge_id`; the status follows the type unless given.
 
@@ -91,14 +94,14 @@ def event(
         "id": charge_id,
         "object": "charge",
         "status": status or default,
-        "amount": 99000,
-        "currency": "RUB",
-        "customer": "cus_ok",
+        "amount": amount,
+        "currency": currency,
+        "customer": customer,
         "metadata": {"order_id": str(order_id), "billing_period": PERIOD.isoformat()},
         "revision": revision,
     }
     if not legacy:
-        charge |= {"refunded": refunded, "amount_refunded": 99000 if refunded else 0}
+        charge |= {"refunded": refunded, "amount_refunded": amount if refunded else 0}
     return {
         "id": event_id or f"evt_{uuid.uuid4().hex[:16]}",
         "type": kind,

@@ -7,6 +7,7 @@ import pytest
 from charge_worker.webhooks.rules import (
     Apply,
     Decision,
+    Fingerprint,
     Review,
     Row,
     Snapshot,
@@ -17,8 +18,9 @@ from charge_worker.webhooks.rules import (
     state_of,
 )
 
-SUCCEEDED = Row("succeeded", "ch_1", 1, lease_free=True)
-PENDING = Row("pending", None, None, lease_free=True)
+OURS = Fingerprint(99000, "RUB", "cus_ok")
+SUCCEEDED = Row("succeeded", "ch_1", 1, lease_free=True, fingerprint=OURS)
+PENDING = Row("pending", None, None, lease_free=True, fingerprint=OURS)
 
 
 def snapshot(
@@ -29,8 +31,11 @@ def snapshot(
     charge_id: str = "ch_1",
     refunded: bool = False,
     amount_refunded: int = 0,
+    fingerprint: Fingerprint | None = OURS,
 ) -> Snapshot:
-    return Snapshot(kind, charge_id, revision, status, refunded, amount_refunded)
+    return Snapshot(
+        kind, charge_id, revision, status, refunded, amount_refunded, fingerprint=fingerprint
+    )
 
 
 REFUND = snapshot("charge.refunded", refunded=True, amount_refunded=99000)
@@ -77,6 +82,42 @@ CASES: dict[str, tuple[Snapshot, Row | None, dict[str, int], type[Decision], str
         None,
     ),
     "an unknown status": (snapshot(status="disputed"), SUCCEEDED, {}, Review, None),
+    # issue 34 item 2: recording a charge makes it the period's: it must prove it
+    "a lost answer for another amount": (
+        snapshot(fingerprint=Fingerprint(100, "RUB", "cus_ok")),
+        PENDING,
+        {},
+        Review,
+        None,
+    ),
+    "a lost answer for another customer": (
+        snapshot(fingerprint=Fingerprint(99000, "RUB", "cus_agent")),
+        PENDING,
+        {},
+        Review,
+        None,
+    ),
+    "a decline of another currency": (
+        snapshot("charge.failed", "failed", fingerprint=Fingerprint(99000, "EUR", "cus_ok")),
+        PENDING,
+        {},
+        Review,
+        None,
+    ),
+    "a lost answer that says no fingerprint": (
+        snapshot(fingerprint=None),
+        PENDING,
+        {},
+        Review,
+        None,
+    ),
+    "a second charge for the key with another fingerprint": (
+        snapshot(charge_id="ch_2", fingerprint=Fingerprint(1, "RUB", "cus_ok")),
+        SUCCEEDED,
+        {},
+        Review,
+        None,
+    ),
 }
 
 
@@ -87,6 +128,9 @@ def test_decision(case: str) -> None:
     assert isinstance(decision, kind), decision
     if isinstance(decision, Apply):
         assert decision.status == status
+    if isinstance(decision, Review) and "fingerprint" in case:
+        assert decision.unmatched
+        assert decision.why.startswith("unmatched charge:")
 
 
 def test_a_lookup_confirms_a_refund_as_a_state() -> None:
@@ -109,7 +153,7 @@ def test_state_of(status: str, refunded: bool, state: str) -> None:
     assert state_of(status, refunded=refunded) == state
 
 
-PROCESSING = Row("processing", "pi_1", 5, lease_free=True)
+PROCESSING = Row("processing", "pi_1", 5, lease_free=True, fingerprint=OURS)
 
 
 @pytest.mark.parametrize(

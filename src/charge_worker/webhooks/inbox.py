@@ -28,6 +28,7 @@ from charge_worker.webhooks.metrics import OPEN_STATUSES
 from charge_worker.webhooks.rules import (
     Apply,
     Decision,
+    Fingerprint,
     Review,
     Row,
     Snapshot,
@@ -66,11 +67,19 @@ RETURNING w.id, w.source, w.event_id, w.event_type, w.object_id, w.revision, w.o
               AS refunded,
           CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'amount_refunded') = 'number'
                THEN greatest((w.payload -> 'data' -> 'object' ->> 'amount_refunded')::numeric, 0)
-               ELSE 0 END AS amount_refunded
+               ELSE 0 END AS amount_refunded,
+          -- the fingerprint: NULL unless the snapshot says it (then nothing is proven)
+          CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'amount') = 'number'
+               THEN (w.payload -> 'data' -> 'object' ->> 'amount')::numeric END AS amount,
+          CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'currency') = 'string'
+               THEN w.payload -> 'data' -> 'object' ->> 'currency' END AS currency,
+          CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'customer') = 'string'
+               THEN w.payload -> 'data' -> 'object' ->> 'customer' END AS customer
 """
 
 _LEDGER_BY_KEY = """
 SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
+       amount_minor, currency, customer_id,
        (lease_until IS NULL OR lease_until < now()) AS lease_free
   FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
    FOR UPDATE
@@ -78,6 +87,7 @@ SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
 
 _LEDGER_BY_CHARGE = """
 SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
+       amount_minor, currency, customer_id,
        (lease_until IS NULL OR lease_until < now()) AS lease_free
   FROM charge_attempts WHERE gateway_charge_id = $1
    FOR UPDATE
@@ -206,6 +216,10 @@ class Job:
     age_s: float
     refunded: bool = False
     amount_refunded: int = 0
+    # the charge's fingerprint, as far as the snapshot says it
+    amount: int | None = None
+    currency: str | None = None
+    customer: str | None = None
 
     @property
     def key(self) -> tuple[int, dt.date] | None:
@@ -218,8 +232,16 @@ class Job:
         """What the event says; `state` (a lookup's answer, `rules.state_of`) replaces the
         charge's status and refund fields."""
         keyed = self.key is not None
+        fingerprint = Fingerprint.of(self.amount, self.currency, self.customer)
         if state is not None:
-            return Snapshot(self.event_type, self.charge_id, self.revision, state, keyed=keyed)
+            return Snapshot(
+                self.event_type,
+                self.charge_id,
+                self.revision,
+                state,
+                keyed=keyed,
+                fingerprint=fingerprint,
+            )
         return Snapshot(
             self.event_type,
             self.charge_id,
@@ -228,6 +250,7 @@ class Job:
             refunded=self.refunded,
             amount_refunded=self.amount_refunded,
             keyed=keyed,
+            fingerprint=fingerprint,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -296,6 +319,9 @@ class Inbox:
                 r["age_s"],
                 r["refunded"],
                 int(r["amount_refunded"]),
+                None if r["amount"] is None else int(r["amount"]),
+                r["currency"],
+                r["customer"],
             )
             for r in rows
         ]
@@ -323,6 +349,9 @@ class Inbox:
                     record["gateway_charge_id"],
                     record["gateway_revision"],
                     record["lease_free"],
+                    Fingerprint.of(
+                        record["amount_minor"], record["currency"], record["customer_id"]
+                    ),
                 )
             )
             decision = decide(
@@ -340,7 +369,8 @@ class Inbox:
                 assert record is not None
                 await held.apply(record, decision)
             outcome = decision.change if isinstance(decision, Apply) else decision.why
-            await held.finish(status_of(decision), outcome=outcome)
+            error = decision.why if isinstance(decision, Review) else None
+            await held.finish(status_of(decision), outcome=outcome, error=error)
             if record is not None:
                 key = (record["order_id"], record["billing_period"])
                 await held.story(key, status_of(decision), outcome, confirmed_status)

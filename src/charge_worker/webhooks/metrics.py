@@ -75,6 +75,12 @@ class WebhookMetrics:
             "Webhook events the ledger cannot explain, left for a human (status needs_review).",
             registry=registry,
         )
+        self.unmatched_charges = Counter(
+            f"{PREFIX}_unmatched_charges",
+            "Charges with our metadata whose amount, currency or customer is not the ledger"
+            " row's: recorded as nothing (the due charge goes ahead), left for a human.",
+            registry=registry,
+        )
         self.purged = Counter(
             f"{PREFIX}_purged",
             "Journal rows deleted after the retention period.",

@@ -220,6 +220,10 @@ class Processor:
             await self.inbox.wait(job, self.owner, wait.why, delay_s=tuning.backoff_max_s)
             return wait
         charge = next((c for c in found if c.id == job.charge_id), None)
+        if charge is not None:  # what the gateway holds proves (or not) the fingerprint
+            job = dataclasses.replace(
+                job, amount=charge.amount, currency=charge.currency, customer=charge.customer
+            )
         if charge is None:
             held = ", ".join(f"{c.id} {state_of(c.status, refunded=c.refunded)}" for c in found)
             held = held or "none"
@@ -248,6 +252,8 @@ class Processor:
         status = status_of(decision)
         self.metrics.events.labels(status).inc()
         detail = decision.change if isinstance(decision, Apply) else decision.why
+        if isinstance(decision, Review) and decision.unmatched:
+            self.metrics.unmatched_charges.inc()
         if status == "needs_review":
             self.metrics.needs_review.inc()
             log.warning("webhook.needs_review", **job.describe(), why=detail)
@@ -283,6 +289,9 @@ def refetched(job: Job, charge: GatewayCharge) -> Job:
         object_status=charge.status,
         refunded=charge.refunded,
         amount_refunded=charge.amount_refunded,
+        amount=charge.amount,
+        currency=charge.currency,
+        customer=charge.customer,
         revision=time.time_ns() // 1000,
         order_id=order_id,
         billing_period=period,

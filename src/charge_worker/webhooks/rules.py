@@ -21,7 +21,8 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 |                                      | refunded / failed              | applied, no change      |
 | this charge, revision >= the event's | any                            | stale                   |
 | `scheduled`/`pending`, live lease    | any                            | wait (a worker owns it) |
-| `scheduled`/`pending`, no live lease | succeeded / failed             | succeeded / declined    |
+| `scheduled`/`pending`, no live lease | another fingerprint            | review (unmatched)      |
+|                                      | succeeded / failed             | succeeded / declined    |
 |                                      | refunded, or a dispute         | wait (unless confirmed) |
 | same status as the snapshot          | any                            | record the revision     |
 | `succeeded`                          | refunded                       | refunded                |
@@ -34,6 +35,12 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 the others: an open row records it as `processing` (still not final), and a `processing` row
 records what it settled as.
 
+Recording a charge the row does not hold yet makes it the period's payment (or its
+decline), so the charge must prove it is the one the row was due: its fingerprint (amount,
+currency, customer) is the row's. A charge someone else made with our metadata (a support
+agent, another integration, a verification charge) records nothing: `review` (unmatched),
+and the row stays as it was, so the due charge goes ahead.
+
 A dispute also sets the row's dispute flag and review reason. `confirmed` means the
 snapshot's status comes from a gateway lookup made after the wait bound: it may then record a
 charge the ledger never saw, and a wait becomes a review (nothing is left to wait for), unless
@@ -43,6 +50,7 @@ a worker's live lease holds the row (the worker will record it: keep waiting).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 # the charge's state (`state_of`) -> the ledger status that records it
 LEDGER_STATUS = {
@@ -71,10 +79,31 @@ def state_of(status: str, *, refunded: bool) -> str:
 
 
 @dataclass(frozen=True)
+class Fingerprint:
+    """What makes a charge the one a ledger row was due: amount (minor units), currency,
+    customer. Currencies compare in upper case (the ledger's spelling; Stripe's is lower)."""
+
+    amount: int
+    currency: str
+    customer: str
+
+    @classmethod
+    def of(cls, amount: int | None, currency: str | None, customer: str | None) -> Self | None:
+        """The fingerprint, or None when a part is missing (nothing is proven then)."""
+        if amount is None or currency is None or customer is None:
+            return None
+        return cls(amount, currency.upper(), customer)
+
+    def __str__(self) -> str:
+        return f"{self.amount} {self.currency} for {self.customer or 'no customer'}"
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What an event says: charge `charge_id` had gateway `status` at `revision`, with
     `amount_refunded` (minor units) of it refunded, all of it when `refunded`; `keyed`: it
-    carries our `order_id`/`billing_period` metadata."""
+    carries our `order_id`/`billing_period` metadata; `fingerprint` its amount, currency
+    and customer (None when the event does not say)."""
 
     event_type: str
     charge_id: str
@@ -83,6 +112,7 @@ class Snapshot:
     refunded: bool = False
     amount_refunded: int = 0
     keyed: bool = True
+    fingerprint: Fingerprint | None = None
 
     @property
     def state(self) -> str:
@@ -98,6 +128,7 @@ class Row:
     charge_id: str | None
     revision: int | None
     lease_free: bool
+    fingerprint: Fingerprint | None = None  # what the row is due: amount, currency, customer
 
 
 @dataclass(frozen=True)
@@ -136,9 +167,12 @@ class Wait:
 
 @dataclass(frozen=True)
 class Review:
-    """A gap nothing here can explain: a human looks (journal status `needs_review`)."""
+    """A gap nothing here can explain: a human looks (journal status `needs_review`).
+
+    `unmatched`: a charge with our metadata whose fingerprint is not the row's."""
 
     why: str
+    unmatched: bool = False
 
 
 Decision = Apply | Unchanged | Stale | Wait | Review
@@ -179,7 +213,7 @@ def _decide(
         return Wait("no ledger row for this charge's order and period yet")
     dispute = event.event_type == DISPUTE
     if row.charge_id is not None and row.charge_id != event.charge_id:
-        return _other_charge(event, row.charge_id, target, dispute, newest_applied)
+        return _other_charge(event, row, target, dispute, newest_applied)
     return _this_charge(event, row, target, dispute, confirmed=confirmed)
 
 
@@ -224,14 +258,31 @@ def _not_recorded(
     """A charge the ledger row has not recorded yet (`scheduled`/`pending`)."""
     if not row.lease_free:
         return Wait(f"a worker holds the lease on this {row.status} charge", worker_owned=True)
+    if row.charge_id is None:  # recording it makes it the period's charge: it must prove so
+        unmatched = _unmatched(event, row)
+        if unmatched is not None:
+            return unmatched
     if (target == "refunded" or dispute) and not confirmed:
         return Wait(f"the ledger has not recorded {event.charge_id} yet ({row.status})")
     return Apply(target, dispute, f"{row.status} -> {target}")
 
 
+def _unmatched(event: Snapshot, row: Row) -> Review | None:
+    """A `Review` when the charge's fingerprint is not the one the row is due, else None."""
+    if event.fingerprint is not None and event.fingerprint == row.fingerprint:
+        return None
+    said = f"is {event.fingerprint}" if event.fingerprint else "says no amount or customer"
+    return Review(
+        f"unmatched charge: {event.charge_id} {said}, the ledger's row is due {row.fingerprint}"
+        "; nothing recorded, the due charge goes ahead",
+        unmatched=True,
+    )
+
+
 def _other_charge(
-    event: Snapshot, recorded: str, target: str, dispute: bool, newest_applied: int
+    event: Snapshot, row: Row, target: str, dispute: bool, newest_applied: int
 ) -> Decision:
+    recorded = row.charge_id
     if newest_applied >= event.revision:
         return Stale(f"revision {newest_applied} of {event.charge_id} was applied already")
     if dispute:
@@ -239,6 +290,8 @@ def _other_charge(
             f"a dispute on {event.charge_id}, which the ledger does not record "
             f"(it records {recorded})"
         )
+    if target == "succeeded" and event.fingerprint != row.fingerprint:
+        return _unmatched(event, row) or Review("unreachable")
     if target == "succeeded":
         return Review(
             f"a second successful charge {event.charge_id} for a key the ledger records as "
