@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    Field,
+    FilePath,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from pydantic import model_validator as _model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -57,6 +65,11 @@ class NatsSettings(_EnvGroup):
 
     url: str | None = _alias("NATS_URL", "url")
     nats_creds_file: Path | None = None
+    # mutual TLS: the client certificate and key, and the CA the server's certificate is
+    # checked against (default: the system's)
+    tls_cert: FilePath | None = _alias("NATS_TLS_CERT", "tls_cert")
+    tls_key: FilePath | None = _alias("NATS_TLS_KEY", "tls_key")
+    tls_ca: FilePath | None = _alias("NATS_TLS_CA", "tls_ca")
     stream: str = "CHARGES"
     subject: str = "charges.due"
     durable: str = "charges-worker"
@@ -328,6 +341,9 @@ class Settings(BaseModel):
                 f"is {nats.duplicate_window_s:g}s, longer than the stream keeps a message "
                 f"(CHARGE_WORKER_STREAM_MAX_AGE_S, {nats.stream_max_age_s:g}s)",
             )
+        if (nats.tls_cert is None) != (nats.tls_key is None):
+            missing = "NATS_TLS_KEY" if nats.tls_key is None else "NATS_TLS_CERT"
+            raise _Rule(missing, "must be set with the other: a client certificate needs its key")
         if self.db.db_pool_max < self.db.db_pool_min:
             raise _Rule("CHARGE_WORKER_DB_POOL_MAX", "must be >= CHARGE_WORKER_DB_POOL_MIN")
         return self

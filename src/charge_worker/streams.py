@@ -9,6 +9,7 @@ ignores the config of an existing durable, which is why this module exists at al
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from nats.js.api import (
 )
 
 from charge_worker.display import without_credentials
-from charge_worker.errors import DependencyUnavailable, ProvisioningError
+from charge_worker.errors import DependencyUnavailable, ProvisioningError, SettingsError
 from charge_worker.settings import NatsSettings, require
 
 DLQ_DUPLICATE_WINDOW_S = 86400.0
@@ -241,11 +242,13 @@ async def connect(cfg: NatsSettings, *, name: str, reconnect: bool = True) -> Cl
     """
     url = require(cfg.url, "NATS_URL")
     servers = [server.strip() for server in url.split(",") if server.strip()]
+    tls = tls_context(cfg)
     try:
         nc = await nats.connect(
             servers=servers,
             name=name,
             user_credentials=str(cfg.nats_creds_file) if cfg.nats_creds_file else None,
+            tls=tls,
             connect_timeout=CONNECT_TIMEOUT_S,
             allow_reconnect=reconnect,
             # nats-py applies this to the first connect too, where -1 would retry forever
@@ -259,6 +262,27 @@ async def connect(cfg: NatsSettings, *, name: str, reconnect: bool = True) -> Cl
     if reconnect:
         nc.options["max_reconnect_attempts"] = -1  # from now on: forever
     return nc
+
+
+def tls_context(cfg: NatsSettings) -> ssl.SSLContext | None:
+    """The client's TLS: the server checked against NATS_TLS_CA (else the system's CAs),
+    and our certificate (NATS_TLS_CERT, NATS_TLS_KEY) when the server asks for one. None
+    when none is set: a `tls://` URL or a server that requires TLS still gets the default.
+    Raises `SettingsError` naming the file that cannot be loaded."""
+    if cfg.tls_ca is None and cfg.tls_cert is None:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=cfg.tls_ca)
+    except (OSError, ssl.SSLError) as error:
+        raise SettingsError(f"NATS_TLS_CA: cannot load {cfg.tls_ca}: {error}") from error
+    if cfg.tls_cert is not None:
+        try:
+            context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        except (OSError, ssl.SSLError) as error:
+            raise SettingsError(
+                f"NATS_TLS_CERT: cannot load {cfg.tls_cert} with its key: {error}"
+            ) from error
+    return context
 
 
 async def _log_error(error: Exception) -> None:
