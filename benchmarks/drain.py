@@ -4,7 +4,8 @@ A sample runs on a fresh database and streams of its own:
 
 1. create the streams and the durable consumer exactly as `charge-worker provision` would
    (plus `sample_freq: 100%` for ack advisories; checked to show no drift), paused;
-2. publish the backlog of N due charges;
+2. publish the backlog of N due charges (with `Plan.subscriptions`, first an active
+   `subscriptions` row agreeing with each, for the worker's subscription check);
 3. start the consumer processes (the worker, `charge-worker run`, or the bare pipeline)
    and wait until they are ready;
 4. note every process group's CPU time, resume the consumer: the clock starts;
@@ -242,6 +243,9 @@ class Plan:
     paced_s: float = 5.0
     rss_every: int = 0  # > 0: note each consumer's RSS as every multiple of this is acked
     on_rss_step: Callable[[int, int], None] | None = None  # (step number from 1, acked)
+    # a matching active `subscriptions` row for every order published (backlog and paced
+    # phase), written before its message: the worker with verify_subscription=match
+    subscriptions: bool = False
 
 
 @dataclass
@@ -344,12 +348,20 @@ async def _delete_streams(js: JetStreamContext, cfg: NatsSettings) -> None:
 
 
 async def _paced_latency(
-    nc: Client, js: JetStreamContext, cfg: NatsSettings, plan: Plan, *, rate: float
+    nc: Client,
+    js: JetStreamContext,
+    settings: Settings,
+    plan: Plan,
+    *,
+    rate: float,
 ) -> dict[str, Any]:
     """Open-loop load at `plan.paced_fraction` of `rate`; publish-to-ack latencies."""
+    cfg = settings.nats
     paced_rate = max(rate * plan.paced_fraction, 1.0)
     count = max(int(paced_rate * plan.paced_s), 20)
     ids = range(plan.messages + 1, plan.messages + 1 + count)
+    if plan.subscriptions:
+        await load.add_subscriptions(settings.db.dsn, ids)
     async with load.AckTimes(nc, cfg.stream, cfg.durable) as acks:
         sent = await load.publish_paced(js, cfg.subject, ids, paced_rate)
         await acks.wait_for(sent.keys(), timeout_s=plan.timeout_s)
@@ -438,10 +450,11 @@ async def _run_consumers(
     nc: Client,
     *,
     plan: Plan,
-    cfg: NatsSettings,
+    settings: Settings,
     consumers: Consumers,
     progress: ProgressFn,
 ) -> Drained:
+    cfg = settings.nats
     consumers.start()
     try:
         await consumers.wait_ready(http)
@@ -453,7 +466,7 @@ async def _run_consumers(
         elif plan.paced_fraction > 0:
             progress(f"paced phase: {plan.paced_fraction:.0%} of {result.rate:,.0f}/s")
             js = nc.jetstream()
-            result.latency = await _paced_latency(nc, js, cfg, plan, rate=result.rate)
+            result.latency = await _paced_latency(nc, js, settings, plan, rate=result.rate)
         result.worker_metrics = _worker_figures(await consumers.scrape(http))
         result.sims = {
             "gateway": await stack.gateway.stats(http),
@@ -485,10 +498,13 @@ async def drain(
     try:
         js = nc.jetstream()
         await _provision_paused(js, settings)
+        if plan.subscriptions:
+            progress(f"adding {plan.messages:,} matching subscriptions")
+            await load.add_subscriptions(database_url, range(1, plan.messages + 1))
         progress(f"publishing {plan.messages:,} messages")
         await load.publish_backlog(nc, js, cfg.subject, cfg.stream, range(1, plan.messages + 1))
         result = await _run_consumers(
-            stack, http, nc, plan=plan, cfg=cfg, consumers=consumers, progress=progress
+            stack, http, nc, plan=plan, settings=settings, consumers=consumers, progress=progress
         )
         result.statuses = await _statuses(database_url)
     finally:

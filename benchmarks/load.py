@@ -1,5 +1,7 @@
 """Load for the cases: due-charge messages, a backlog, a paced stream, and when they are acked.
 
+* `add_subscriptions`: the active `subscriptions` rows that agree with those messages, for
+  the worker with `CHARGE_WORKER_VERIFY_SUBSCRIPTION=match`.
 * `publish_backlog`: core NATS publishes with a flush every batch (the stream captures the
   subject), then the stream's message count is checked: fast enough for 100,000 messages.
 * `wait_acked`: polls the durable consumer; a message is done when it is neither pending
@@ -22,6 +24,7 @@ from collections.abc import Callable, Collection
 from types import TracebackType
 from typing import Self
 
+import asyncpg
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -30,6 +33,9 @@ from nats.js import JetStreamContext
 from charge_worker.messages import SCHEMA
 
 PERIOD = dt.date(2026, 12, 1)
+AMOUNT_MINOR = 99000
+CURRENCY = "RUB"
+CUSTOMERS = 1000
 PUBLISH_BATCH = 1000
 POLL_S = 0.05
 
@@ -42,13 +48,38 @@ def due_body(order_id: int) -> bytes:
             "order_id": order_id,
             "billing_period": PERIOD.isoformat(),
             "subscription_id": f"sub_{order_id}",
-            "customer_id": f"cus_bench_{order_id % 1000}",
-            "amount_minor": 99000,
-            "currency": "RUB",
+            "customer_id": f"cus_bench_{order_id % CUSTOMERS}",
+            "amount_minor": AMOUNT_MINOR,
+            "currency": CURRENCY,
             "due_at": "2026-12-01T00:00:00Z",
         },
         separators=(",", ":"),
     ).encode()
+
+
+async def add_subscriptions(database_url: str, order_ids: range) -> None:
+    """An active subscription for each order that agrees with its `due_body`: the same
+    subscription, customer, amount and currency, billed monthly from PERIOD (so PERIOD is on
+    its schedule). Analyzed afterwards, as a table loaded in bulk should be."""
+    assert order_ids.step == 1, order_ids
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            """INSERT INTO subscriptions (subscription_id, order_id, customer_id, amount_minor,
+                                          currency, next_billing_date)
+               SELECT 'sub_' || n, n, 'cus_bench_' || (n % $3::bigint), $4::bigint, $5::text,
+                      $6::date
+                 FROM generate_series($1::bigint, $2::bigint) AS n""",
+            order_ids.start,
+            order_ids.stop - 1,
+            CUSTOMERS,
+            AMOUNT_MINOR,
+            CURRENCY,
+            PERIOD,
+        )
+        await conn.execute("ANALYZE subscriptions")
+    finally:
+        await conn.close()
 
 
 def msg_id(order_id: int) -> str:

@@ -21,6 +21,9 @@ GROUPS = ("consumer", "postgres", "gateway sim", "scoring sim", "nats-server", "
 TARGETS = {
     "throughput": Target("worker / bare throughput", ">=", 0.85),
     "cpu": Target("worker / bare CPU per charge", "<=", 1.25),
+    # case 2b: the same targets with CHARGE_WORKER_VERIFY_SUBSCRIPTION=match
+    "throughput_verified": Target("worker+check / bare throughput", ">=", 0.85),
+    "cpu_verified": Target("worker+check / bare CPU/charge", "<=", 1.25),
     "little": Target("latency-bound / Little's law", ">=", 0.9),
     "incident": Target("incident / latency-bound", ">=", 0.8),
     "scale_out": Target("2 processes / 1 process", ">=", 1.8),
@@ -33,6 +36,7 @@ class Results:
     concurrency: int
     bare: list[Drained] = field(default_factory=list)
     worker: list[Drained] = field(default_factory=list)
+    worker_verified: list[Drained] = field(default_factory=list)  # subscription check on
     bare_latency_bound: list[Drained] = field(default_factory=list)
     latency_bound: list[Drained] = field(default_factory=list)
     incident: list[Drained] = field(default_factory=list)
@@ -105,32 +109,60 @@ def mean_slot_s(samples: Sequence[Drained]) -> float:
     return sum(times) / len(times) if times else math.nan
 
 
+def _worker_ratios(
+    bare: Sequence[Drained],
+    worker: Sequence[Drained],
+    keys: tuple[str, str],
+    *,
+    check_off: Sequence[Drained] = (),
+) -> list[Ratio]:
+    """Throughput and CPU per charge of `worker` against `bare`, pair by pair; with
+    `check_off` (case 2b), the notes give the check's own cost against case 2 too."""
+    bare_rate = median([_rate(s) for s in bare])
+    worker_rate = median([_rate(s) for s in worker])
+    bare_cpu = median([_cpu(s) for s in bare])
+    worker_cpu = median([_cpu(s) for s in worker])
+    bare_all = median([_cpu_all(s) for s in bare])
+    worker_all = median([_cpu_all(s) for s in worker])
+    rate_note = cpu_extra = ""
+    if check_off:
+        off_rate = median([_rate(s) for s in check_off])
+        off_cpu = median([_cpu(s) for s in check_off])
+        off_all = median([_cpu_all(s) for s in check_off])
+        rate_note = f"subscription check on / off (case 2b / 2): {ratio(worker_rate, off_rate):.2f}"
+        cpu_extra = (
+            f"; check on / off: consumer {ratio(worker_cpu, off_cpu):.2f}, all processes "
+            f"{ratio(worker_all, off_all):.2f}, PostgreSQL "
+            f"{ratio(_median_cpu(worker, 'postgres'), _median_cpu(check_off, 'postgres')):.2f}"
+        )
+    return [
+        Ratio(keys[0], ratio(worker_rate, bare_rate), _pairwise(worker, bare, _rate), rate_note),
+        Ratio(
+            keys[1],
+            ratio(worker_cpu, bare_cpu),
+            _pairwise(worker, bare, _cpu),
+            f"consumer process only; all processes (PostgreSQL, simulators, nats-server, "
+            f"harness too): worker {worker_all:,.0f} vs bare {bare_all:,.0f} us/charge = "
+            f"{ratio(worker_all, bare_all):.2f}{cpu_extra}",
+        ),
+    ]
+
+
+def _median_cpu(samples: Sequence[Drained], group: str) -> float:
+    return median([s.cpu_us_per_charge(group) for s in samples])
+
+
 def ratios(results: Results) -> list[Ratio]:
     out: list[Ratio] = []
     conc = results.concurrency
     if results.bare and results.worker:
-        bare_rate = median([_rate(s) for s in results.bare])
-        worker_rate = median([_rate(s) for s in results.worker])
-        out.append(
-            Ratio(
-                "throughput",
-                ratio(worker_rate, bare_rate),
-                _pairwise(results.worker, results.bare, _rate),
-            )
-        )
-        bare_cpu = median([_cpu(s) for s in results.bare])
-        worker_cpu = median([_cpu(s) for s in results.worker])
-        bare_all = median([_cpu_all(s) for s in results.bare])
-        worker_all = median([_cpu_all(s) for s in results.worker])
-        out.append(
-            Ratio(
-                "cpu",
-                ratio(worker_cpu, bare_cpu),
-                _pairwise(results.worker, results.bare, _cpu),
-                f"consumer process only; all processes (PostgreSQL, simulators, nats-server, "
-                f"harness too): worker {worker_all:,.0f} vs bare {bare_all:,.0f} us/charge = "
-                f"{ratio(worker_all, bare_all):.2f}",
-            )
+        out += _worker_ratios(results.bare, results.worker, ("throughput", "cpu"))
+    if results.bare and results.worker_verified:
+        out += _worker_ratios(
+            results.bare,
+            results.worker_verified,
+            ("throughput_verified", "cpu_verified"),
+            check_off=results.worker,
         )
     if results.latency_bound:
         little = bound(conc, SCORING)
@@ -207,6 +239,11 @@ def table(results: Results) -> list[str]:
     cases: list[tuple[str, list[Drained], str]] = [
         ("1 bare pipeline", results.bare, "zero-latency simulators; the in-run ceiling"),
         ("2 worker", results.worker, ""),
+        (
+            "2b worker, sub. check",
+            results.worker_verified,
+            "VERIFY_SUBSCRIPTION=match: every claim inserts through the subscriptions check",
+        ),
         ("3 latency-bound bare", results.bare_latency_bound, "the in-run ceiling for case 3"),
         ("3 latency-bound", results.latency_bound, f"Little bound {bound(conc, SCORING):.1f}/s"),
         ("4 incident", results.incident, f"own Little bound {bound(conc, INCIDENT_SCORING):.1f}/s"),
@@ -247,23 +284,26 @@ def _steps(mem: MemoryResult) -> list[tuple[int, tuple[int]]]:
 
 
 def cpu_split(results: Results) -> list[str]:
-    """CPU µs per charge of every process group, bare vs worker at zero latency."""
+    """CPU µs per charge of every process group, bare vs worker (and case 2b) at zero latency."""
     lines = ["", "CPU per charge by process, zero latency (median us/charge)", ""]
-    header = f"{'process':<14}" + "".join(f"{name:>12}" for name in ("bare", "worker"))
-    lines.append(header)
-    cases = (results.bare, results.worker)
+    names = ["bare", "worker"]
+    cases = [results.bare, results.worker]
     if not all(cases):
         return []
-    totals = [0.0, 0.0]
+    if results.worker_verified:
+        names.append("worker+check")
+        cases.append(results.worker_verified)
+    lines.append(f"{'process':<14}" + "".join(f"{name:>13}" for name in names))
+    totals = [0.0] * len(cases)
     for group in GROUPS:
         values = [median([s.cpu_us_per_charge(group) for s in samples]) for samples in cases]
         totals = [t + v for t, v in zip(totals, values, strict=True)]
-        lines.append(f"{group:<14}" + "".join(f"{v:>12,.0f}" for v in values))
-    lines.append(f"{'all':<14}" + "".join(f"{v:>12,.0f}" for v in totals))
+        lines.append(f"{group:<14}" + "".join(f"{v:>13,.0f}" for v in values))
+    lines.append(f"{'all':<14}" + "".join(f"{v:>13,.0f}" for v in totals))
     busy = [median([_cpu_all(s) * s.acked / 1e6 / s.seconds for s in samples]) for samples in cases]
-    lines.append(f"{'cores busy':<14}" + "".join(f"{v:>12.2f}" for v in busy))
+    lines.append(f"{'cores busy':<14}" + "".join(f"{v:>13.2f}" for v in busy))
     other = [median([s.other_cores for s in samples]) for samples in cases]
-    lines.append(f"{'other load':<14}" + "".join(f"{v:>12.2f}" for v in other))
+    lines.append(f"{'other load':<14}" + "".join(f"{v:>13.2f}" for v in other))
     return lines
 
 
@@ -333,7 +373,15 @@ def profile_lines(results: Results, top: int = 12) -> list[str]:
 
 def _all_samples(results: Results) -> list[tuple[str, Drained]]:
     named: list[tuple[str, Drained]] = []
-    for name in ("bare", "worker", "bare_latency_bound", "latency_bound", "incident", "scale_out"):
+    for name in (
+        "bare",
+        "worker",
+        "worker_verified",
+        "bare_latency_bound",
+        "latency_bound",
+        "incident",
+        "scale_out",
+    ):
         named += [(f"{name} {k}", s) for k, s in enumerate(getattr(results, name), start=1)]
     if results.memory is not None:
         named.append(("memory", results.memory.drained))

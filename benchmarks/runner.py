@@ -83,6 +83,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--budget-s", type=float, help="the whole run's time budget")
     parser.add_argument(
+        "--subscription-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="throughput: also the worker with CHARGE_WORKER_VERIFY_SUBSCRIPTION=match "
+        "(case 2b, one more sample per repeat, no paced phase; on by default)",
+    )
+    parser.add_argument(
         "--trace-memory",
         action="store_true",
         help="memory case under tracemalloc: what grows in the Python heap (slow; diagnosis)",
@@ -152,6 +159,7 @@ async def run_cases(
     out: Path,
     trace_memory: bool = False,
     month_start_charges: int = 100_000,
+    subscription_check: bool = True,
 ) -> report.Results:
     sizes = bench.sizes
     probe = bench.settings("postgresql://unused/x")
@@ -160,10 +168,13 @@ async def run_cases(
     step = 0
     if "throughput" in only:
         step += 1
-        bench.say(f"== case group {step}/{case_count}: bare pipeline vs worker, zero latency")
+        also = ", and with the subscription check on" if subscription_check else ""
+        bench.say(f"== case group {step}/{case_count}: bare pipeline vs worker{also}, zero latency")
         for k in range(1, sizes.repeats + 1):
             results.bare.append(await throughput.bare_sample(bench, k))
             results.worker.append(await throughput.worker_sample(bench, k))
+            if subscription_check:
+                results.worker_verified.append(await throughput.verified_sample(bench, k))
     if "latency" in only:
         step += 1
         bench.say(
@@ -249,6 +260,7 @@ def record(
         "samples": {
             "bare": samples(results.bare),
             "worker": samples(results.worker),
+            "worker_verified": samples(results.worker_verified),
             "bare_latency_bound": samples(results.bare_latency_bound),
             "latency_bound": samples(results.latency_bound),
             "incident": samples(results.incident),
@@ -303,6 +315,7 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
                 out=args.out,
                 trace_memory=args.trace_memory,
                 month_start_charges=args.month_start_charges,
+                subscription_check=args.subscription_check,
             )
         finally:
             for consumers in list(bench.live):

@@ -4,6 +4,15 @@ Both drain the same number of messages with the same concurrency, pool size and 
 client stack; their samples alternate (bare, worker, bare, worker, ...) so drift of the
 machine falls on both alike. After each worker sample a paced phase publishes at half the
 rate just measured and takes publish-to-ack latencies (`drain.py`, `load.py`).
+
+Case 2b, `verified_sample`: the worker with the subscription check on
+(`CHARGE_WORKER_VERIFY_SUBSCRIPTION=match`), after each worker sample. The bench publishes
+due charges straight to the stream, with no ledger row (no producer ran), so every claim
+takes the check's path: the claim's INSERT carries the EXISTS on `subscriptions`. The
+sample's database gets an active subscription agreeing with each message first, so every
+one is verified and charged (a refused one would be dead-lettered, and the sample's checks
+would say so). No paced phase: it measures throughput and CPU only, against the same bare
+samples as case 2.
 """
 
 from __future__ import annotations
@@ -54,7 +63,9 @@ def bare_consumer(
     return ChildConsumer(child, ready)
 
 
-def zero_latency_plan(bench: Bench, messages: int, *, paced: bool = False) -> Plan:
+def zero_latency_plan(
+    bench: Bench, messages: int, *, paced: bool = False, subscriptions: bool = False
+) -> Plan:
     return Plan(
         messages=messages,
         gateway=ZERO,
@@ -62,6 +73,7 @@ def zero_latency_plan(bench: Bench, messages: int, *, paced: bool = False) -> Pl
         timeout_s=max(120.0, messages / 20),
         paced_fraction=PACED_FRACTION if paced else 0.0,
         paced_s=bench.sizes.paced_s,
+        subscriptions=subscriptions,
     )
 
 
@@ -81,3 +93,15 @@ async def worker_sample(bench: Bench, k: int) -> Drained:
     log_dir.mkdir(exist_ok=True)
     workers = Workers(settings, log_dir)
     return await bench.sample(f"worker {k}/{bench.sizes.repeats}", plan, settings, workers)
+
+
+async def verified_sample(bench: Bench, k: int) -> Drained:
+    """The worker with the subscription check on, every message's subscription in place."""
+    database_url = await bench.stack.new_database()
+    settings = bench.settings(database_url, verify_subscription="match")
+    plan = zero_latency_plan(bench, bench.sizes.throughput_messages, subscriptions=True)
+    log_dir = bench.log_dir / f"worker-verified-{k}"
+    log_dir.mkdir(exist_ok=True)
+    workers = Workers(settings, log_dir)
+    label = f"worker, subscription check on {k}/{bench.sizes.repeats}"
+    return await bench.sample(label, plan, settings, workers)

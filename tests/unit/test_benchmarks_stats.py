@@ -7,9 +7,11 @@ import math
 import random
 
 import pytest
+from benchmarks.drain import Drained
 from benchmarks.load import parse_timestamp
 from benchmarks.memory import plan_size
 from benchmarks.profiling import package_of
+from benchmarks.report import Results, cpu_split, ratios, table
 from benchmarks.stats import (
     Summary,
     Target,
@@ -186,3 +188,36 @@ def test_profile_groups() -> None:
         package_of("~", "<method 'poll' of 'select.epoll' objects>") == "event loop: epoll/select"
     )
     assert package_of("~", "<built-in method builtins.isinstance>") == "builtins (other)"
+
+
+def _drained(seconds: float, consumer_s: float, postgres_s: float) -> Drained:
+    return Drained(
+        messages=100,
+        acked=100,
+        seconds=seconds,
+        progress=[(0.0, 0), (seconds, 100)],
+        cpu_s={"consumer": consumer_s, "postgres": postgres_s},
+        peak_rss=[1],
+        rss=[1],
+        statuses={"succeeded": 100},
+    )
+
+
+def test_the_subscription_check_row_is_its_own_pair_of_ratios_against_the_same_bare() -> None:
+    results = Results(
+        concurrency=16,
+        bare=[_drained(1.0, 0.10, 0.05)],
+        worker=[_drained(1.25, 0.12, 0.06)],
+        worker_verified=[_drained(1.5, 0.13, 0.07)],
+    )
+    found = {item.key: item for item in ratios(results)}
+    assert found["throughput"].value == pytest.approx(0.8)
+    assert found["cpu"].value == pytest.approx(1.2)
+    assert found["throughput_verified"].value == pytest.approx(1.0 / 1.5)
+    assert found["cpu_verified"].value == pytest.approx(1.3)
+    assert "check on / off (case 2b / 2): 0.83" in found["throughput_verified"].note
+    assert any(line.startswith("2b worker, sub. check") for line in table(results))
+    assert "worker+check" in cpu_split(results)[3]
+    # without the row (--no-subscription-check), only case 2's pair
+    results.worker_verified = []
+    assert [item.key for item in ratios(results)] == ["throughput", "cpu"]
