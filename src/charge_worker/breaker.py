@@ -39,12 +39,14 @@ class Breaker:
         fail_max: int,
         reset_s: float,
         counts: Callable[[BaseException], bool],
+        neutral: Callable[[BaseException], bool] = lambda error: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.fail_max = fail_max
         self.reset_s = reset_s
         self.counts = counts
+        self.neutral = neutral
         self.clock = clock
         self.state: State = "closed"
         self.failures = 0  # counted failures in a row
@@ -69,9 +71,10 @@ class Breaker:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if isinstance(error, asyncio.CancelledError) or (error and self.neutral(error)):
+            return
         if error is None or not self.counts(error):
-            if not isinstance(error, asyncio.CancelledError):
-                self._succeeded()
+            self._succeeded()
         else:
             self._failed()
 

@@ -21,6 +21,7 @@ Our exception hierarchy::
     │   ├── DependencyUnavailable  connection refused, breaker open, server restarting
     │   ├── NoVerdict ............ scoring gave no verdict and the policy is `hold`
     │   ├── OutcomeUnknown ....... the gateway may or may not have charged (5xx, timeout)
+    │   │   └── ReplayedFailure .. that 5xx replayed for a retried key: no new failure
     │   ├── RequestInProgress .... the gateway is processing this key right now (409)
     │   ├── RateLimited .......... the gateway asked us to slow down (429)
     │   └── LeaseHeld ............ another live worker owns this charge right now
@@ -109,6 +110,12 @@ class OutcomeUnknown(TransientError):
     """The gateway may or may not have charged; only a lookup can tell."""
 
     outcome = "outcome_unknown"
+
+
+class ReplayedFailure(OutcomeUnknown):
+    """The provider replayed its first answer to this idempotency key, and that was a 5xx
+    (`Idempotent-Replayed: true`): the outcome is as unknown as it was, but this is no new
+    failure of the provider, so a breaker neither counts it nor ends a run of failures."""
 
 
 class RequestInProgress(TransientError):

@@ -23,7 +23,12 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from charge_worker.breaker import Breaker
-from charge_worker.errors import DependencyUnavailable, OutcomeUnknown, SettingsError
+from charge_worker.errors import (
+    DependencyUnavailable,
+    OutcomeUnknown,
+    ReplayedFailure,
+    SettingsError,
+)
 
 WEDGED_AFTER_S = 60.0  # a loop that has not turned for this long fails /healthz
 
@@ -55,13 +60,14 @@ def build_breaker(name: str, *, fail_max: int, reset_s: float) -> Breaker:
     A decline, a 409, a 429 or the dependency's own rejection of a request is the
     dependency working; an unknown outcome, an unreachable dependency, or a request it did
     not accept at all (wrong credentials, a wrong path, a proxy's bare 4xx: raised as
-    `DependencyUnavailable`) is not.
+    `DependencyUnavailable`) is not. A `ReplayedFailure` is neither: an old answer told again.
     """
     return Breaker(
         name,
         fail_max=fail_max,
         reset_s=reset_s,
         counts=lambda error: isinstance(error, OutcomeUnknown | DependencyUnavailable),
+        neutral=lambda error: isinstance(error, ReplayedFailure),
     )
 
 

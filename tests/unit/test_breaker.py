@@ -18,6 +18,10 @@ class Verdict(Exception):
     """An answer that does not count: the dependency works."""
 
 
+class Replayed(Down):
+    """An old failure told again: neither a failure nor a success."""
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -28,7 +32,12 @@ class Clock:
 
 def breaker(clock: Clock, changes: list[State] | None = None) -> Breaker:
     b = Breaker(
-        "gateway", fail_max=3, reset_s=30, counts=lambda e: isinstance(e, Down), clock=clock
+        "gateway",
+        fail_max=3,
+        reset_s=30,
+        counts=lambda e: isinstance(e, Down),
+        neutral=lambda e: isinstance(e, Replayed),
+        clock=clock,
     )
     if changes is not None:
         b.listeners.append(changes.append)
@@ -92,6 +101,17 @@ def test_a_cancelled_call_proves_nothing() -> None:
     with pytest.raises(asyncio.CancelledError):
         call(b, asyncio.CancelledError())
     assert b.failures == 2
+
+
+def test_a_neutral_answer_neither_counts_nor_ends_the_run() -> None:
+    b = breaker(Clock())
+    fail(b, 2)
+    for _ in range(5):
+        with pytest.raises(Replayed):
+            call(b, Replayed())
+    assert (b.state, b.failures) == ("closed", 2)
+    fail(b)
+    assert b.state == "open"
 
 
 def test_a_call_begun_before_it_opened_does_not_keep_it_open_longer() -> None:

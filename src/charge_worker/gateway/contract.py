@@ -39,15 +39,10 @@ from charge_worker.errors import (
     GatewayRejected,
     OutcomeUnknown,
     RateLimited,
+    ReplayedFailure,
     RequestInProgress,
 )
-from charge_worker.gateway.guard import (
-    BeforeSend,
-    Guarded,
-    ReplayedFailure,
-    never_sent,
-    retry_after,
-)
+from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent, retry_after
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
 from charge_worker.http import build_client

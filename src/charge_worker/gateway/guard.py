@@ -37,12 +37,6 @@ DEFAULT_RETRY_AFTER_S = 1.0
 BeforeSend = Callable[[], Awaitable[None]]
 
 
-class ReplayedFailure(OutcomeUnknown):
-    """The provider replayed its first answer to this idempotency key, and that was a 5xx
-    (`Idempotent-Replayed: true`): the outcome is as unknown as it was, but this is no new
-    failure of the provider. The breaker neither counts it nor ends a run of failures."""
-
-
 class Guarded:
     """The limiter, breaker and deadline an adapter shares with the pull loop (which reads
     `breaker` and `limiter` to stop fetching while the provider is down or the fleet's rate
@@ -91,11 +85,10 @@ class Guarded:
             await before_send()
         try:
             if success_counts or self.breaker.state != "closed":
-                return await self._through_breaker(what, request)
+                with self.breaker:
+                    return await self._within_deadline(what, request)
             try:
                 return await self._within_deadline(what, request)
-            except ReplayedFailure:
-                raise
             except (OutcomeUnknown, DependencyUnavailable) as failure:
                 with self.breaker:  # counted as the breaker counts any failure
                     raise failure from failure.__cause__
@@ -103,21 +96,6 @@ class Guarded:
             raise DependencyUnavailable(
                 "gateway breaker open", retry_after_s=self.breaker.open_for_s()
             ) from error
-
-    async def _through_breaker(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
-        """`with self.breaker: return await request()`, but a `ReplayedFailure` leaves the
-        breaker as it was: counted, it would open the breaker on one failure told again;
-        taken as a success, it would end the run of a provider failing fresh requests."""
-        self.breaker.__enter__()  # raises BreakerOpen: nothing sent
-        try:
-            result = await self._within_deadline(what, request)
-        except ReplayedFailure:
-            raise
-        except BaseException as error:
-            self.breaker.__exit__(type(error), error, error.__traceback__)
-            raise
-        self.breaker.__exit__(None, None, None)
-        return result
 
     async def _within_deadline(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
         try:

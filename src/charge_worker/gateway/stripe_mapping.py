@@ -38,9 +38,10 @@ from charge_worker.errors import (
     GatewayRejected,
     OutcomeUnknown,
     RateLimited,
+    ReplayedFailure,
     RequestInProgress,
 )
-from charge_worker.gateway.guard import ReplayedFailure, never_sent, retry_after
+from charge_worker.gateway.guard import never_sent, retry_after
 from charge_worker.gateway.results import (
     AUTHENTICATION_REQUIRED,
     CARD_DECLINED,
