@@ -73,7 +73,6 @@ class ContractGateway(Guarded):
         api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
         require(api_key, "GATEWAY_API_KEY")
         super().__init__(cfg, limiter=limiter)
-        self.key_prefix = cfg.idempotency_key_prefix  # before every Idempotency-Key sent
         self.client = build_client(
             require(cfg.url, "GATEWAY_URL"),
             timeout_s=cfg.gateway_timeout_s,

@@ -44,6 +44,7 @@ class Guarded:
 
     def __init__(self, cfg: GatewaySettings, *, limiter: RateLimiter | None) -> None:
         self.timeout_s = cfg.gateway_timeout_s
+        self.key_prefix = cfg.idempotency_key_prefix  # before every Idempotency-Key sent
         # the most requests one `charge()` makes (settings.REQUESTS_PER_CHARGE), for the budget
         self.requests_per_charge = REQUESTS_PER_CHARGE[cfg.kind]
         self.breaker = build_breaker(

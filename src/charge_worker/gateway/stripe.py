@@ -80,7 +80,6 @@ class StripeGateway(Guarded):
                 "GATEWAY_API_KEY: a Stripe secret key starts with sk_ (or rk_, restricted)"
             )
         super().__init__(cfg, limiter=limiter)
-        self.key_prefix = cfg.idempotency_key_prefix  # before every Idempotency-Key sent
         base = cfg.url or STRIPE_API
         self.http = OwnedHTTPClient(
             build_client(
