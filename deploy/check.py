@@ -50,6 +50,10 @@ RENDERED_CHECKS: list[tuple[str, Check]] = [
     ("pods: cpu and memory requests and limits", pods.check_resources),
     ("secrets: by reference only, each component its own", pods.check_secrets),
     (
+        "nats: each component its own credentials file (docs/nats-permissions.md), no other's",
+        pods.check_nats_credentials,
+    ),
+    (
         "settings: known names, each command's needs, accepted by load_settings(), every container",
         pods.check_settings,
     ),

@@ -208,3 +208,39 @@ def _unknown_names(where: str, container: dict[str, Any]) -> list[str]:
     return [f"{where}: {name} is not a charge-worker setting" for name in sorted(unknown)] + [
         f"{where}: {name} is for tests only" for name in sorted(names & catalog.TEST_ONLY)
     ]
+
+
+# The components that talk to NATS, each as a user of its own (docs/nats-permissions.md):
+# the key of natsCredentials.keys each mounts.
+NATS_USERS = frozenset({"worker", "produce", "reconcile"})
+
+
+def check_nats_credentials(rendered: Rendered) -> list[str]:
+    """Each component talking to NATS mounts its own credentials file and no other's, and
+    points CHARGE_WORKER_NATS_CREDS_FILE at it; the others mount none."""
+    nats = rendered.values["natsCredentials"]
+    problems = []
+    keys = nats.get("keys") or {}
+    if nats["existingSecret"] and len(set(keys.values())) != len(NATS_USERS):
+        problems.append(f"natsCredentials.keys must name {len(NATS_USERS)} distinct files")
+    for pod in rendered.pods():
+        mounted = [
+            item["key"]
+            for volume in pod.spec.get("volumes", [])
+            if volume["name"] == "nats-credentials"
+            for item in (volume.get("secret") or {}).get("items") or []
+        ]
+        wanted = (
+            [keys[pod.component]] if nats["existingSecret"] and pod.component in NATS_USERS else []
+        )
+        if mounted != wanted:
+            problems.append(f"{pod.where}: mounts NATS credentials {mounted}, not {wanted}")
+        for container in pod.containers:
+            path = (env_of(container).get("CHARGE_WORKER_NATS_CREDS_FILE") or {}).get("value")
+            expected = f"{nats['mountPath'].rstrip('/')}/{wanted[0]}" if wanted else None
+            if path != expected:
+                problems.append(
+                    f"{pod.where} container {container['name']}: "
+                    f"CHARGE_WORKER_NATS_CREDS_FILE is {path!r}, not {expected!r}"
+                )
+    return problems

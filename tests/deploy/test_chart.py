@@ -186,6 +186,30 @@ def test_the_receiver_holds_neither_the_worker_role_nor_the_workers_gateway_key(
     assert all(own["existingSecret"] not in str(p.spec) for p in others)
 
 
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_each_component_talking_to_nats_mounts_only_its_own_credentials(value_set: str) -> None:
+    """One NATS user per component (docs/nats-permissions.md): each pod mounts its own
+    credentials file and no other's; the receiver, migrate and maintain none (issue 34,
+    item 3)."""
+    rendered = rendered_for(value_set)
+    nats = rendered.values["natsCredentials"]
+    if not nats["existingSecret"]:
+        assert all("nats-credentials" not in str(p.spec) for p in rendered.pods())
+        return
+    keys = nats["keys"]
+    assert len(set(keys.values())) == len(keys) == 3
+    for pod in rendered.pods():
+        volumes = [v for v in pod.spec["volumes"] if v["name"] == "nats-credentials"]
+        env = {e["name"]: e for e in pod.containers[0]["env"]}
+        if pod.component not in keys:
+            assert (volumes, env.get("CHARGE_WORKER_NATS_CREDS_FILE")) == ([], None), pod.where
+            continue
+        own = keys[pod.component]
+        assert volumes[0]["secret"]["items"] == [{"key": own, "path": own}], pod.where
+        path = f"{nats['mountPath'].rstrip('/')}/{own}"
+        assert env["CHARGE_WORKER_NATS_CREDS_FILE"]["value"] == path, pod.where
+
+
 def test_the_webhook_secrets_are_a_secret_setting() -> None:
     assert "CHARGE_WORKER_WEBHOOK_SECRETS" in catalog.secrets()
     assert "CHARGE_WORKER_WEBHOOK_SECRETS" not in catalog.configurable()

@@ -112,7 +112,8 @@ Secrets, by reference only. `keys` lists what a component gets: of the shared Se
 (DATABASE_URL too, but the schema owner's: the migration hook's migrate.existingSecret /
 migrate.databaseUrlKey); "webhooks" for the receiver's own Secret (webhooks.secrets: its
 DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS, never the worker's);
-"natsCredentials" for the NATS credentials file, when set.
+"natsCredentials" for the NATS credentials file of `component` (worker, produce or
+reconcile: natsCredentials.keys), when set.
 */}}
 {{- define "charge-worker.secretEnv" -}}
 {{- $secret := required "secrets.existingSecret is required: the name of a Secret holding DATABASE_URL and GATEWAY_API_KEY (this chart never creates secrets)" .ctx.Values.secrets.existingSecret }}
@@ -161,25 +162,31 @@ DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS, never the worke
 {{- end }}
 {{- if and (has "natsCredentials" .keys) .ctx.Values.natsCredentials.existingSecret }}
 - name: CHARGE_WORKER_NATS_CREDS_FILE
-  value: {{ printf "%s/%s" (trimSuffix "/" .ctx.Values.natsCredentials.mountPath) .ctx.Values.natsCredentials.key | quote }}
+  value: {{ printf "%s/%s" (trimSuffix "/" .ctx.Values.natsCredentials.mountPath) (include "charge-worker.natsCredentialsKey" .) | quote }}
 {{- end }}
 {{- with .ctx.Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
 
-{{/* Volumes of the pods that talk to NATS: a writable /tmp (the root filesystem is
-     read-only), the NATS credentials file when configured, and extraVolumes. */}}
+{{/* The Secret key of `component`'s NATS credentials file (natsCredentials.keys): each
+     component talking to NATS is a user of its own (docs/nats-permissions.md). */}}
+{{- define "charge-worker.natsCredentialsKey" -}}
+{{- required (printf "natsCredentials.keys.%s is required: the credentials file of its NATS user" .component) (index .ctx.Values.natsCredentials.keys .component) }}
+{{- end }}
+
+{{/* Volumes of the worker pods: a writable /tmp (the root filesystem is read-only), the
+     worker's NATS credentials file when configured, and extraVolumes. */}}
 {{- define "charge-worker.volumes" -}}
-{{- include "charge-worker.podVolumes" (dict "ctx" . "nats" true) }}
+{{- include "charge-worker.podVolumes" (dict "ctx" . "nats" true "component" "worker") }}
 {{- end }}
 
 {{- define "charge-worker.volumeMounts" -}}
-{{- include "charge-worker.podVolumeMounts" (dict "ctx" . "nats" true) }}
+{{- include "charge-worker.podVolumeMounts" (dict "ctx" . "nats" true "component" "worker") }}
 {{- end }}
 
-{{/* The same for any pod: the NATS credentials file only when `nats` (a pod that never
-     talks to NATS does not get it mounted). */}}
+{{/* The same for any pod: the NATS credentials file of `component` only when `nats` (a
+     pod that never talks to NATS does not get one mounted; no pod gets another's). */}}
 {{- define "charge-worker.podVolumes" -}}
 - name: tmp
   emptyDir:
@@ -190,8 +197,8 @@ DATABASE_URL, GATEWAY_API_KEY and CHARGE_WORKER_WEBHOOK_SECRETS, never the worke
     secretName: {{ .ctx.Values.natsCredentials.existingSecret }}
     defaultMode: 0440
     items:
-      - key: {{ .ctx.Values.natsCredentials.key }}
-        path: {{ .ctx.Values.natsCredentials.key }}
+      - key: {{ include "charge-worker.natsCredentialsKey" . }}
+        path: {{ include "charge-worker.natsCredentialsKey" . }}
 {{- end }}
 {{- with .ctx.Values.extraVolumes }}
 {{ toYaml . }}
@@ -369,18 +376,18 @@ spec:
             - configMapRef:
                 name: {{ include "charge-worker.fullname" $ctx }}
           env:
-            {{- include "charge-worker.secretEnv" (dict "ctx" $ctx "keys" .keys) | trim | nindent 12 }}
+            {{- include "charge-worker.secretEnv" (dict "ctx" $ctx "keys" .keys "component" .component) | trim | nindent 12 }}
           resources:
             {{- toYaml $job.resources | nindent 12 }}
           securityContext:
             {{- toYaml $ctx.Values.securityContext | nindent 12 }}
           volumeMounts:
-            {{- include "charge-worker.podVolumeMounts" (dict "ctx" $ctx "nats" $nats) | trim | nindent 12 }}
+            {{- include "charge-worker.podVolumeMounts" (dict "ctx" $ctx "nats" $nats "component" .component) | trim | nindent 12 }}
             {{- with .mounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
-        {{- include "charge-worker.podVolumes" (dict "ctx" $ctx "nats" $nats) | trim | nindent 8 }}
+        {{- include "charge-worker.podVolumes" (dict "ctx" $ctx "nats" $nats "component" .component) | trim | nindent 8 }}
         {{- with .volumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

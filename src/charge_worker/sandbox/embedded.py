@@ -203,9 +203,15 @@ class ServerProcess:
 
 
 class NatsServer(ServerProcess):
-    """nats-server with JetStream, file storage in a temporary directory."""
+    """nats-server with JetStream, file storage in a temporary directory. `config`: the text
+    of a configuration file to start it with too (e.g. an `authorization` block of users and
+    their permissions); the address, port and store given here take precedence over it."""
 
     name = "nats"
+
+    def __init__(self, root: Path | None = None, *, config: str | None = None) -> None:
+        super().__init__(root)
+        self.config = config
 
     @property
     def url(self) -> str:
@@ -214,7 +220,12 @@ class NatsServer(ServerProcess):
     def _command(self) -> list[str]:
         binary = find_binary("nats-server")
         store = self.root / "jetstream"
-        return [str(binary), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
+        command = [str(binary), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
+        if self.config is not None:
+            path = self.root / "nats-server.conf"
+            path.write_text(self.config)
+            command += ["-c", str(path)]
+        return command
 
 
 class PostgresServer(ServerProcess):
