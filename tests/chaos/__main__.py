@@ -25,7 +25,7 @@ from charge_worker.sandbox.embedded import find_binary
 from tests.chaos.checker import FATAL
 from tests.chaos.cluster import ServerPool
 from tests.chaos.run import Result, run_scenario
-from tests.chaos.scenarios import BY_NAME, CLUSTER_SCENARIOS, COMBINED, SCENARIOS
+from tests.chaos.scenarios import BY_NAME, CLUSTER_SCENARIOS, COMBINED, FULL_ONLY, SCENARIOS
 
 GOOD = ("charged_once", "declined", "blocked", "blocked_post_hoc", "dead_lettered")
 COLUMNS = (
@@ -96,7 +96,7 @@ async def main(argv: list[str]) -> int:
         help="3: run every scenario on a 3-node JetStream cluster with a PostgreSQL standby",
     )
     args = parser.parse_args(argv)
-    everything = [*SCENARIOS, COMBINED, *CLUSTER_SCENARIOS]
+    everything = [*SCENARIOS, *FULL_ONLY, COMBINED, *CLUSTER_SCENARIOS]
     chosen = [BY_NAME[n] for n in args.only] if args.only else everything
     if args.nats_cluster == 3:
         chosen = [s if s.shape != "single" else replace(s, shape="cluster") for s in chosen]

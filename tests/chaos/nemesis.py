@@ -124,6 +124,44 @@ async def nats_latency(cluster: Cluster, rng: random.Random) -> None:
             proxy.pass_through()
 
 
+async def cut_heartbeats(cluster: Cluster, rng: random.Random) -> None:
+    """Every NATS proxy blackholed for longer than ack_wait while gateway calls go on (the
+    gateway proxy passes): no heartbeat, no ack, so JetStream redelivers what the workers
+    are still charging, to whichever worker fetches first once the cut heals."""
+    ack_wait = cluster.settings.shortest_ack_wait_s
+    seconds = rng.uniform(1.5 * ack_wait, 2.5 * ack_wait)
+    before = await _gateway_requests(cluster)
+    for _ in range(20):  # mid-call: not before the gateway's requests are flowing
+        await asyncio.sleep(0.5)
+        if (now := await _gateway_requests(cluster)) > before:
+            before = now
+            break
+    cluster.chronicle(
+        "nemesis", f"nats proxy: blackhole for {seconds:.1f}s (ack_wait {ack_wait:g}s)"
+    )
+    for proxy in cluster.nats_proxies():
+        proxy.blackhole()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        for proxy in cluster.nats_proxies():
+            proxy.pass_through()
+    during = await _gateway_requests(cluster) - before
+    figures = cluster.chronicle.figures
+    figures["gateway_requests_during_cuts"] = (
+        figures.get("gateway_requests_during_cuts", 0) + during
+    )
+    _ended(cluster, f"heartbeats cut ({during} gateway requests meanwhile)")
+
+
+async def _gateway_requests(cluster: Cluster) -> int:
+    """Requests the gateway simulator has answered or is answering, so far."""
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{cluster.gateway.url}/_sim/stats")
+        response.raise_for_status()
+        return int(response.json()["requests"])
+
+
 async def flip_lost_answers(cluster: Cluster, rng: random.Random) -> None:
     """Alternate the gateway between losing 30 % of answers by timeout and 10 % by 5xx."""
     mode = rng.choice(["timeout", "5xx"])
@@ -257,6 +295,7 @@ CRASH_POSTGRES = Nemesis("postgres crash", 8.0, crash_postgres)
 PAUSE_POSTGRES = Nemesis("postgres SIGSTOP", 6.0, pause_postgres)
 NETWORK = Nemesis("proxy faults", 3.0, network_fault)
 NATS_LATENCY = Nemesis("nats latency", 4.0, nats_latency)
+HEARTBEATS_CUT = Nemesis("heartbeats cut", 8.0, cut_heartbeats)
 LOST_ANSWERS = Nemesis("gateway lost answers", 3.0, flip_lost_answers)
 KILL_STREAM_LEADER = Nemesis("kill -9 stream leader", 12.0, kill_stream_leader)
 KILL_CONSUMER_LEADER = Nemesis("kill -9 consumer leader", 12.0, kill_consumer_leader)

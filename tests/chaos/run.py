@@ -179,6 +179,7 @@ async def _attack_and_judge(
         "converge_after_faults_s": round(converged, 1),
         "run_s": round(time.monotonic() - started, 1),
         **await _stalls(system),
+        **await _leases(system),
         **system.chronicle.figures,
     }
     result = Result(scenario, seed, size, verdict, chronicle, timings, not_quiet=not_quiet)
@@ -329,6 +330,21 @@ async def _stalls(system: Cluster) -> dict[str, Any]:
     if after_outages:
         figures["stall_after_outage_max_s"] = round(max(after_outages), 2)
     return figures
+
+
+async def _leases(system: Cluster) -> dict[str, int]:
+    """Deliveries that met a lease: another worker's live one (`lease_held`: a redelivery
+    while the first worker was still at it), an expired one taken over (`taken_over`)."""
+    conn = await asyncpg.connect(system.database_url)
+    try:
+        row = await conn.fetchrow(
+            """SELECT count(*) FILTER (WHERE detail->>'outcome' = 'lease_held') AS lease_held,
+                      count(*) FILTER (WHERE detail->>'taken_from' IS NOT NULL) AS taken_over
+                 FROM charge_events WHERE kind = 'delivery'"""
+        )
+    finally:
+        await conn.close()
+    return {name: int(count) for name, count in dict(row or {}).items()}
 
 
 async def _explain(system: Cluster, key: str) -> str:
