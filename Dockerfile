@@ -16,14 +16,17 @@ WORKDIR /src
 # Every dependency comes from the lock, each file checked against its sha256
 # (requirements/*.txt, exported from uv.lock by `make lock`): the image is built from the
 # versions `make test` checked, and a replaced file on the index fails the build. The build
-# backend gets a venv of its own, so it never reaches the image.
+# backend gets a venv of its own, so it never reaches the image. So does the installer: the
+# image's venv is made --without-pip (no pip, setuptools nor wheel in it: the running image
+# cannot install anything, and ships no installer), and the build venv's pip fills it
+# (`--python`).
 COPY requirements/ requirements/
 RUN python -m venv /opt/build \
     && /opt/build/bin/pip install --no-compile --require-hashes --no-deps \
        -r requirements/build.txt \
-    && python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-compile --require-hashes --no-deps \
-       -r requirements/runtime.txt
+    && python -m venv --without-pip /opt/venv \
+    && /opt/build/bin/pip --python /opt/venv/bin/python install --no-compile --require-hashes \
+       --no-deps -r requirements/runtime.txt
 ENV PATH=/opt/venv/bin:$PATH
 
 # Only what the wheel is built from (.dockerignore keeps the rest out of the context);
@@ -37,7 +40,8 @@ COPY migrations/ migrations/
 # --no-deps: its dependencies are the locked ones above, nothing is resolved here.
 # Bytecode is compiled here, once: the root filesystem is read-only at run time.
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /tmp/dist . \
-    && pip install --no-compile --no-deps /tmp/dist/charge_worker-*.whl \
+    && /opt/build/bin/pip --python /opt/venv/bin/python install --no-compile --no-deps \
+       /tmp/dist/charge_worker-*.whl \
     && python -m compileall -q /opt/venv/lib
 
 # --- runtime: the virtualenv, tini as PID 1, an unprivileged user ---

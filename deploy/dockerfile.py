@@ -102,7 +102,7 @@ def check_structure(text: str) -> list[str]:
     if not BASE.match(base):
         problems.append(f"final base {base} is not a pinned python:3.11.N-slim image")
     runs = " ".join(s.args for s in steps if s.keyword == "RUN")
-    if re.search(r"pip install[^&;]*\[[^]]*\b(dev|deploy)\b", runs):
+    if re.search(r"pip (--python \S+ )?install[^&;]*\[[^]]*\b(dev|deploy)\b", runs):
         problems.append("pip installs the project with extras (the image takes runtime deps only)")
     if re.search(r"\b(build-essential|gcc|g\+\+|clang)\b", _joined(last, "RUN")):
         problems.append("the final stage installs a compiler")
@@ -119,7 +119,45 @@ def check_structure(text: str) -> list[str]:
             problems.append(f"the final stage does not set {variable}")
     if "migrations" not in _joined(steps, "COPY"):
         problems.append("the build does not copy migrations/ (the wheel carries them)")
-    return problems + _check_locked([s.args for s in steps if s.keyword == "RUN"])
+    return (
+        problems
+        + _check_locked([s.args for s in steps if s.keyword == "RUN"])
+        + check_no_installer(text)
+    )
+
+
+def check_no_installer(text: str) -> list[str]:
+    """The virtualenv the final stage copies from the build has no pip, setuptools or wheel:
+    it is made `--without-pip` and filled by the build venv's pip (`--python`), so the
+    running image cannot install anything, and ships no installer's CVEs."""
+    steps = instructions(text)
+    final = max((step.stage for step in steps), default=0)
+    copied = [
+        parts[-2]
+        for step in steps
+        if step.stage == final and step.keyword == "COPY" and "--from=" in step.args
+        for parts in [step.args.split()]
+        if len(parts) >= 3  # --from=build SRC DST
+    ]
+    commands = [
+        " ".join(command.split())
+        for step in steps
+        if step.keyword == "RUN"
+        for command in re.split(r"&&|\|\||;", step.args)
+    ]
+    problems = []
+    for venv in copied:
+        for command in commands:
+            if re.search(rf"-m venv\b.*\s{re.escape(venv)}$", command):
+                if "--without-pip" not in command.split():
+                    problems.append(f"`{command}` puts pip in the image's {venv}: --without-pip")
+            elif (
+                f"{venv}/bin/pip" in command
+                or re.match(r"(\S*python\S* -m )?pip\b", command)
+                or "ensurepip" in command
+            ):
+                problems.append(f"`{command}` needs pip in {venv}: the build venv's pip --python")
+    return problems
 
 
 def _check_locked(runs: list[str]) -> list[str]:
@@ -128,7 +166,7 @@ def _check_locked(runs: list[str]) -> list[str]:
         command.strip()
         for run in runs
         for command in re.split(r"&&|\|\||;", run)
-        if re.search(r"\bpip\s+install\b", command)
+        if re.search(r"\bpip(\s+--python[\s=]+\S+)?\s+install\b", command)
     ]
     problems = []
     if not any(

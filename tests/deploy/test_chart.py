@@ -308,6 +308,21 @@ def test_dockerfile_passes_hadolint_and_the_structure_checks() -> None:
     assert dockerfile.check_dockerignore(dockerfile.DOCKERIGNORE.read_text()) == []
 
 
+def test_the_runtime_virtualenv_carries_no_installer() -> None:
+    """pip, setuptools and wheel are tools for building, not running: the virtualenv the
+    final stage copies is made without them, and filled by the build venv's pip (issue 34,
+    item 11). The current Dockerfile keeps to it, and a careless one is noticed."""
+    assert dockerfile.check_no_installer(dockerfile.DOCKERFILE.read_text()) == []
+    careless = (
+        "FROM python:3.11.14-slim-bookworm AS build\n"
+        "RUN python -m venv /opt/venv && /opt/venv/bin/pip install --no-deps x\n"
+        "FROM python:3.11.14-slim-bookworm\nCOPY --from=build /opt/venv /opt/venv\n"
+    )
+    problems = " ".join(dockerfile.check_no_installer(careless))
+    assert "--without-pip" in problems
+    assert "/opt/venv/bin/pip" in problems
+
+
 @pytest.mark.slow
 def test_the_wheel_carries_the_migrations() -> None:
     assert dockerfile.check_wheel() == []
