@@ -283,7 +283,8 @@ async def test_after_the_wait_bound_the_charge_is_looked_up_and_applied(
     bounded = ProcessorTuning(**{**FAST.__dict__, "wait_bound_tries": 3})
     settings = webhook_settings(database_url, gateway_sim.url)
     async with running_receiver(settings, bounded) as receiver:
-        refund = event(charge_id, "charge.refunded", revision=2, order_id=6)
+        # a dispute waits for the charge it names (a full refund's body would prove it)
+        refund = event(charge_id, "charge.dispute_created", revision=2, order_id=6)
         assert (await receiver.post(refund)).status_code == 200
         await eventually(lambda: settled(db, refund["id"]), "the refund resolved by lookup")
 
@@ -306,7 +307,8 @@ async def test_a_gap_the_gateway_cannot_explain_goes_to_needs_review(
     bounded = ProcessorTuning(**{**FAST.__dict__, "wait_bound_tries": 2})
     settings = webhook_settings(database_url, gateway_sim.url)
     async with running_receiver(settings, bounded) as receiver:
-        refund = event("ch_nobody_made", "charge.refunded", revision=2, order_id=7)
+        # a dispute waits for the charge it names (a full refund's body would prove it)
+        refund = event("ch_nobody_made", "charge.dispute_created", revision=2, order_id=7)
         assert (await receiver.post(refund)).status_code == 200
         await eventually(lambda: settled(db, refund["id"]), "the refund given up on")
         await counted(receiver, "charge_worker_webhook_needs_review_total")
@@ -327,7 +329,8 @@ async def test_a_lookup_that_fails_keeps_the_event_waiting_until_the_gateway_ans
     await set_sim(gateway_sim.url, error_rates={"503": 1.0})
     bounded = ProcessorTuning(**{**FAST.__dict__, "wait_bound_tries": 2})
     async with running_receiver(webhook_settings(database_url, gateway_sim.url), bounded) as r:
-        refund = event(charge_id, "charge.refunded", revision=2, order_id=16)
+        # a dispute of a charge not recorded yet waits for it (a full refund would prove it)
+        refund = event(charge_id, "charge.dispute_created", revision=2, order_id=16)
         assert (await r.post(refund)).status_code == 200
 
         async def lookup_failed() -> bool:
@@ -338,8 +341,10 @@ async def test_a_lookup_that_fails_keeps_the_event_waiting_until_the_gateway_ans
 
         await eventually(lookup_failed, "the event waiting after a failed lookup")
         await set_sim(gateway_sim.url, error_rates={})
-        await eventually(lambda: settled(db, refund["id"]), "the refund applied by lookup")
-    assert (await ledger(db, 16))["status"] == "refunded"
+        await eventually(lambda: settled(db, refund["id"]), "the dispute applied by lookup")
+    row = await ledger(db, 16)
+    assert row["status"] == "refunded"  # as the lookup found it
+    assert row["disputed_at"] is not None
 
 
 async def test_an_event_that_keeps_failing_goes_to_needs_review(
@@ -778,3 +783,42 @@ async def test_a_lost_answer_with_our_fingerprint_is_recorded(
     assert (row["status"], row["gateway_charge_id"]) == ("succeeded", "ch_41")
     assert receiver.metric("charge_worker_webhook_unmatched_charges_total") == 0
 
+
+# --- issue 34: a refund ahead of its charge's event proves the charge ----------------------
+
+
+async def test_a_refund_before_the_charges_own_event_applies_at_once(
+    database_url: str, gateway_sim: ServedApp, db: asyncpg.Connection
+) -> None:
+    """Issue 34 item 13: revision 3 (refunded) before 2 (succeeded). The refund's body is the
+    whole charge: made, for this key, this amount, currency and customer, then refunded. It
+    is applied on its first try, not after the ~15 minute wait bound; 2 is then stale."""
+    await add_row(db, 42, "pending")
+    refund = event("ch_42", "charge.refunded", revision=3, order_id=42)
+    charged = event("ch_42", revision=2, order_id=42)
+    async with idle_processor(database_url, gateway_sim.url) as (inbox, processor):
+        await inbox.journal(entry(refund))
+        assert await processor.run_once() == 1
+        assert await status_of(db, refund["id"]) == "applied"
+        row = await ledger(db, 42)
+        assert (row["status"], row["gateway_charge_id"], row["gateway_revision"]) == (
+            "refunded",
+            "ch_42",
+            3,
+        )
+        await inbox.journal(entry(charged))
+        assert await processor.run_once() == 1
+        assert await status_of(db, charged["id"]) == "stale"
+
+
+async def test_a_refund_ahead_of_its_charge_with_another_fingerprint_records_nothing(
+    database_url: str, gateway_sim: ServedApp, db: asyncpg.Connection
+) -> None:
+    await add_row(db, 43, "pending")
+    refund = event("ch_43", "charge.refunded", revision=3, order_id=43, amount=1)
+    async with idle_processor(database_url, gateway_sim.url) as (inbox, processor):
+        await inbox.journal(entry(refund))
+        assert await processor.run_once() == 1
+    assert await status_of(db, refund["id"]) != "applied"
+    row = await ledger(db, 43)
+    assert (row["status"], row["gateway_charge_id"]) == ("pending", None)

@@ -157,7 +157,7 @@ async def test_reordered_and_duplicated_deliveries_leave_the_ledger_as_the_gatew
     worker = Ledger(pool, lease_s=60)
     settings = webhook_settings(database_url, gateway_sim.url)
     # 5's refund arrives before its succeeded snapshot, which is then stale: with the row
-    # still pending, the refund waits for its bound and the lookup confirms it
+    # still pending, the refund's body proves the charge (its fingerprint) and applies
     bounded = ProcessorTuning(**{**FAST.__dict__, "wait_bound_tries": 3})
     async with running_receiver(settings, bounded) as receiver:
         hook = f"{receiver.url}/webhooks/gateway"

@@ -44,7 +44,22 @@ OLD_REFUND = snapshot("charge.refunded", "refunded")  # before the contract chan
 CASES: dict[str, tuple[Snapshot, Row | None, dict[str, int], type[Decision], str | None]] = {
     "a refund (refunded true) of a succeeded row": (REFUND, SUCCEEDED, {}, Apply, "refunded"),
     "a refund in the old shape": (OLD_REFUND, SUCCEEDED, {}, Apply, "refunded"),
-    "a refund of a charge not recorded yet waits": (REFUND, PENDING, {}, Wait, None),
+    # issue 34 item 13: the refund's body proves the charge (fingerprint checked)
+    "a refund of a charge not recorded yet applies": (REFUND, PENDING, {}, Apply, "refunded"),
+    "a refund in the old shape of a charge not recorded yet waits": (
+        OLD_REFUND,
+        PENDING,
+        {},
+        Wait,
+        None,
+    ),
+    "a refund of a charge not recorded yet, another fingerprint": (
+        snapshot("charge.refunded", refunded=True, fingerprint=Fingerprint(1, "RUB", "cus_ok")),
+        PENDING,
+        {},
+        Review,
+        None,
+    ),
     "a lost answer, newest known": (snapshot(), PENDING, {}, Apply, "succeeded"),
     "an older snapshot than one journaled": (
         snapshot("charge.failed", "failed", revision=1),

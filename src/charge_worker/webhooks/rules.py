@@ -23,7 +23,9 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 | `scheduled`/`pending`, live lease    | any                            | wait (a worker owns it) |
 | `scheduled`/`pending`, no live lease | another fingerprint            | review (unmatched)      |
 |                                      | succeeded / failed             | succeeded / declined    |
-|                                      | refunded, or a dispute         | wait (unless confirmed) |
+|                                      | refunded in full               | refunded                |
+|                                      | a dispute, an older refund     | wait (unless confirmed) |
+|                                      | shape                          |                         |
 | same status as the snapshot          | any                            | record the revision     |
 | `succeeded`                          | refunded                       | refunded                |
 | `processing` (the bank settles it)   | succeeded / failed / refunded  | succeeded / declined /  |
@@ -39,7 +41,9 @@ Recording a charge the row does not hold yet makes it the period's payment (or i
 decline), so the charge must prove it is the one the row was due: its fingerprint (amount,
 currency, customer) is the row's. A charge someone else made with our metadata (a support
 agent, another integration, a verification charge) records nothing: `review` (unmatched),
-and the row stays as it was, so the due charge goes ahead.
+and the row stays as it was, so the due charge goes ahead. A full refund's snapshot is the
+whole charge (made for this key with this fingerprint, then refunded), so it proves the state
+before it and applies at once, even ahead of the charge's own event (revision 3 before 2).
 
 A dispute also sets the row's dispute flag and review reason. `confirmed` means the
 snapshot's status comes from a gateway lookup made after the wait bound: it may then record a
@@ -262,7 +266,12 @@ def _not_recorded(
         unmatched = _unmatched(event, row)
         if unmatched is not None:
             return unmatched
-    if (target == "refunded" or dispute) and not confirmed:
+    # a full refund's snapshot is the whole charge: made for this key with this fingerprint
+    # (checked above), then refunded; it proves the state before it, nothing is left to wait
+    proven = target == "refunded" and event.refunded and row.charge_id is None
+    if dispute and not confirmed:
+        return Wait(f"the ledger has not recorded {event.charge_id} yet ({row.status})")
+    if target == "refunded" and not (confirmed or proven):
         return Wait(f"the ledger has not recorded {event.charge_id} yet ({row.status})")
     return Apply(target, dispute, f"{row.status} -> {target}")
 
