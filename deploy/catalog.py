@@ -25,8 +25,11 @@ from charge_worker.settings import ENV_PREFIX, Settings, env_name
 
 # A DSN carries the role's password, though the model types it `str`.
 SECRET_BY_NATURE = frozenset({"DATABASE_URL"})
-# Set by the chart from other values (natsCredentials mounts the file and points here).
-CHART_MANAGED = frozenset({"CHARGE_WORKER_NATS_CREDS_FILE"})
+# Set by the chart from other values (natsCredentials and natsTls mount the files and point
+# here).
+CHART_MANAGED = frozenset(
+    {"CHARGE_WORKER_NATS_CREDS_FILE", "NATS_TLS_CERT", "NATS_TLS_KEY", "NATS_TLS_CA"}
+)
 # The reliability suite's fault injection: never in a deployment.
 TEST_ONLY = frozenset({"CHARGE_WORKER_FAILPOINTS"})
 

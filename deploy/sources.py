@@ -32,6 +32,7 @@ EMBEDDED = {
 DELIBERATE = {
     "CHARGE_WORKER_STREAM_REPLICAS": "R3 streams on a JetStream cluster",
     "CHARGE_WORKER_LOG_FORMAT": "JSON logs in a pod, said outright",
+    "CHARGE_WORKER_VERIFY_SUBSCRIPTION": "the chart runs produce: its subscriptions vouch",
 }
 
 

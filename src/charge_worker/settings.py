@@ -16,15 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    Field,
-    FilePath,
-    SecretStr,
-    ValidationError,
-    field_validator,
-)
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic import model_validator as _model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -66,10 +58,11 @@ class NatsSettings(_EnvGroup):
     url: str | None = _alias("NATS_URL", "url")
     nats_creds_file: Path | None = None
     # mutual TLS: the client certificate and key, and the CA the server's certificate is
-    # checked against (default: the system's)
-    tls_cert: FilePath | None = _alias("NATS_TLS_CERT", "tls_cert")
-    tls_key: FilePath | None = _alias("NATS_TLS_KEY", "tls_key")
-    tls_ca: FilePath | None = _alias("NATS_TLS_CA", "tls_ca")
+    # checked against (default: the system's); read when connecting (streams.tls_context),
+    # where a missing or unreadable file fails naming its variable
+    tls_cert: Path | None = _alias("NATS_TLS_CERT", "tls_cert")
+    tls_key: Path | None = _alias("NATS_TLS_KEY", "tls_key")
+    tls_ca: Path | None = _alias("NATS_TLS_CA", "tls_ca")
     stream: str = "CHARGES"
     subject: str = "charges.due"
     durable: str = "charges-worker"

@@ -210,6 +210,29 @@ def test_each_component_talking_to_nats_mounts_only_its_own_credentials(value_se
         assert env["CHARGE_WORKER_NATS_CREDS_FILE"]["value"] == path, pod.where
 
 
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_the_pods_talking_to_nats_mount_its_client_certificate_and_point_at_it(
+    value_set: str,
+) -> None:
+    """natsTls: the worker, produce and reconcile pods mount the Secret's three files and
+    get NATS_TLS_CERT, NATS_TLS_KEY and NATS_TLS_CA pointing at them; the receiver (no
+    NATS), migrate and maintain nothing (issue 34, item 10)."""
+    rendered = rendered_for(value_set)
+    tls = rendered.values["natsTls"]
+    talking = {"worker", "produce", "reconcile"}
+    files = {"NATS_TLS_CERT": "certKey", "NATS_TLS_KEY": "keyKey", "NATS_TLS_CA": "caKey"}
+    for pod in rendered.pods():
+        volumes = [v for v in pod.spec["volumes"] if v["name"] == "nats-tls"]
+        env = {e["name"]: e.get("value") for e in pod.containers[0]["env"]}
+        if not tls["existingSecret"] or pod.component not in talking:
+            assert volumes == [], pod.where
+            assert not set(files) & set(env), pod.where
+            continue
+        assert volumes[0]["secret"]["secretName"] == tls["existingSecret"], pod.where
+        for name, key in files.items():
+            assert env[name] == f"{tls['mountPath'].rstrip('/')}/{tls[key]}", pod.where
+
+
 def test_the_webhook_secrets_are_a_secret_setting() -> None:
     assert "CHARGE_WORKER_WEBHOOK_SECRETS" in catalog.secrets()
     assert "CHARGE_WORKER_WEBHOOK_SECRETS" not in catalog.configurable()

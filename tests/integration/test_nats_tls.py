@@ -98,6 +98,12 @@ async def test_a_server_signed_by_another_ca_is_refused(
         await connect(cfg, name="tls-test", reconnect=False)
 
 
+async def test_a_missing_ca_file_fails_naming_its_setting(tmp_path: Path) -> None:
+    cfg = NatsSettings(url="nats://127.0.0.1:9", tls_ca=tmp_path / "nowhere.pem")
+    with pytest.raises(SettingsError, match=r"^NATS_TLS_CA: cannot load"):
+        await connect(cfg, name="tls-test", reconnect=False)
+
+
 async def test_an_unreadable_certificate_fails_naming_its_setting(pki: Pki, tmp_path: Path) -> None:
     garbage = tmp_path / "client.pem"
     garbage.write_text("not a certificate")

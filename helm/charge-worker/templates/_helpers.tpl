@@ -164,6 +164,16 @@ reconcile: natsCredentials.keys), when set.
 - name: CHARGE_WORKER_NATS_CREDS_FILE
   value: {{ printf "%s/%s" (trimSuffix "/" .ctx.Values.natsCredentials.mountPath) (include "charge-worker.natsCredentialsKey" .) | quote }}
 {{- end }}
+{{- if and (has "natsCredentials" .keys) .ctx.Values.natsTls.existingSecret }}
+{{- $tls := .ctx.Values.natsTls }}
+{{- $dir := trimSuffix "/" $tls.mountPath }}
+- name: NATS_TLS_CERT
+  value: {{ printf "%s/%s" $dir $tls.certKey | quote }}
+- name: NATS_TLS_KEY
+  value: {{ printf "%s/%s" $dir $tls.keyKey | quote }}
+- name: NATS_TLS_CA
+  value: {{ printf "%s/%s" $dir $tls.caKey | quote }}
+{{- end }}
 {{- with .ctx.Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -200,6 +210,17 @@ reconcile: natsCredentials.keys), when set.
       - key: {{ include "charge-worker.natsCredentialsKey" . }}
         path: {{ include "charge-worker.natsCredentialsKey" . }}
 {{- end }}
+{{- if and .nats .ctx.Values.natsTls.existingSecret }}
+- name: nats-tls
+  secret:
+    secretName: {{ .ctx.Values.natsTls.existingSecret }}
+    defaultMode: 0440
+    items:
+      {{- range (list .ctx.Values.natsTls.certKey .ctx.Values.natsTls.keyKey .ctx.Values.natsTls.caKey) }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end }}
 {{- with .ctx.Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -211,6 +232,11 @@ reconcile: natsCredentials.keys), when set.
 {{- if and .nats .ctx.Values.natsCredentials.existingSecret }}
 - name: nats-credentials
   mountPath: {{ .ctx.Values.natsCredentials.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if and .nats .ctx.Values.natsTls.existingSecret }}
+- name: nats-tls
+  mountPath: {{ .ctx.Values.natsTls.mountPath }}
   readOnly: true
 {{- end }}
 {{- with .ctx.Values.extraVolumeMounts }}
