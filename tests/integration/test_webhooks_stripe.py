@@ -305,3 +305,40 @@ async def test_events_of_intents_without_our_metadata_are_ignored_not_retried(
         assert rows[dispute_id]["attempts"] == 1
     finally:
         await db.close()
+
+
+async def test_a_refetched_intent_is_stamped_by_the_databases_clock(
+    database_url: str, stripe_sim: Provider
+) -> None:
+    """Issue 34 item 7: the revision of a re-fetch is the database's clock, not a pod's
+    (one that runs ahead would make every other pod's fetches stale). Pod and database
+    share a clock here, so this pins where the revision comes from, not a skew."""
+    db = await asyncpg.connect(database_url)
+    gateway = stripe_sim.gateway()
+    clock = "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+    try:
+        made = await gateway.charge(due(5))
+        assert made.charge_id is not None
+        await add_row(db, 5, "pending")
+        body = stripe_event(
+            "payment_intent.succeeded",
+            {
+                "id": made.charge_id,
+                "object": "payment_intent",
+                "metadata": {"order_id": "5", "billing_period": PERIOD.isoformat()},
+            },
+        )
+        before = await db.fetchval(clock)
+        async with running_receiver(stripe_settings(database_url, stripe_sim)) as receiver:
+            answer = await receiver.post(
+                body, headers={"Stripe-Signature": stripe_signature(SECRET, body)}
+            )
+            assert answer.status_code == 200, answer.text
+            await eventually(lambda: settled(db, json.loads(body)["id"]), "the event processed")
+        after = await db.fetchval(clock)
+        row = await ledger(db, 5)
+        assert row["status"] == "succeeded"
+        assert before <= row["gateway_revision"] <= after
+    finally:
+        await gateway.aclose()
+        await db.close()

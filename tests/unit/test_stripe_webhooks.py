@@ -85,12 +85,13 @@ def test_a_refetched_object_replaces_the_events_state_and_names_the_key() -> Non
     charge = GatewayCharge(
         "pi_1", "succeeded", 990, "EUR", "cus_1", "7", "2026-12-01", 0, 990, refunded=True
     )
-    first = refetched(job, charge)
-    later = refetched(job, charge)
+    first = refetched(job, charge, revision=1_796_000_000_000_000)
+    later = refetched(job, charge, revision=1_796_000_000_000_001)
 
     assert (first.object_status, first.refunded, first.amount_refunded) == ("succeeded", True, 990)
     assert first.key == (7, dt.date(2026, 12, 1))
-    assert later.revision >= first.revision > 1  # the moment of the fetch
+    # the moment of the fetch, as the database's clock read it (never the pod's)
+    assert (first.revision, later.revision) == (1_796_000_000_000_000, 1_796_000_000_000_001)
 
 
 def test_an_intent_without_our_metadata_is_journaled_ignored() -> None:

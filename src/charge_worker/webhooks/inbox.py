@@ -96,12 +96,16 @@ SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
 # A live worker lease on the open row of the event's key (or, without one, of its charge):
 # the worker records what the gateway did, so the event waits without asking the provider.
 # A row that holds another charge is not waited on: that is a double charge to review now.
+# With it, the database's clock (microseconds) that stamps the re-fetch about to be made as
+# its revision: one clock for every pod, read before the fetch, so a fetch begun later never
+# gets an older revision than one begun earlier.
 _WORKER_LEASE = """
-SELECT status FROM charge_attempts
- WHERE CASE WHEN $1::bigint IS NULL THEN gateway_charge_id = $3
-            ELSE order_id = $1 AND billing_period = $2 END
-   AND status IN ('scheduled', 'pending') AND lease_until > now()
-   AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)
+SELECT (SELECT status FROM charge_attempts
+         WHERE CASE WHEN $1::bigint IS NULL THEN gateway_charge_id = $3
+                    ELSE order_id = $1 AND billing_period = $2 END
+           AND status IN ('scheduled', 'pending') AND lease_until > now()
+           AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)) AS held,
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us
 """
 
 # the other events about this charge object: the newest revision applied, and journaled
@@ -376,15 +380,18 @@ class Inbox:
                 await held.story(key, status_of(decision), outcome, confirmed_status)
         return decision
 
-    async def held_by_worker(self, job: Job, owner: str, *, wait_s: float) -> Wait | None:
+    async def before_fetch(self, job: Job, owner: str, *, wait_s: float) -> Wait | int:
         """A `Wait`, written as `awaiting_dependency` retried in `wait_s`, when a worker's
-        live lease holds the event's open row; None otherwise (decide as usual)."""
+        live lease holds the event's open row; otherwise the database's clock (microseconds
+        since the epoch), the revision of the re-fetch about to be made."""
         async with translated(), self.pool.acquire() as conn, conn.transaction():
-            status = await conn.fetchval(
+            found = await conn.fetchrow(
                 _WORKER_LEASE, job.order_id, job.billing_period, job.charge_id
             )
-            if status is None:
-                return None
+            assert found is not None  # a SELECT without FROM returns one row
+            if found["held"] is None:
+                return int(found["now_us"])
+            status = found["held"]
             wait = Wait(f"a worker holds the lease on this {status} charge", worker_owned=True)
             await _Held(conn, job, owner).finish(
                 "awaiting_dependency", error=wait.why, delay_s=wait_s

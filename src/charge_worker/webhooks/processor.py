@@ -16,7 +16,8 @@ charge is looked up at the gateway and what the gateway says is applied, or the 
 Events of providers whose webhooks carry no revision (`webhook_scheme == "stripe"`) are
 applied from the object as the adapter re-fetches it (Stripe's own advice), so their order
 never matters: the fetched state is the provider's now, and its revision is the moment of
-the fetch (microseconds), so a fetch older than the one applied last is stale.
+the fetch (microseconds, by the database's clock, read just before it), so a fetch older
+than the one applied last is stale.
 """
 
 from __future__ import annotations
@@ -168,10 +169,10 @@ class Processor:
             if self.gateway.webhook_scheme == "stripe":
                 # decided first: under a worker's live lease nothing fetched would change
                 # the wait, and each try would be a request against the account's limit
-                held = await self.inbox.held_by_worker(
+                held = await self.inbox.before_fetch(
                     job, self.owner, wait_s=self.tuning.backoff_s(job.attempts)
                 )
-                if held is not None:
+                if isinstance(held, Wait):
                     self._count(job, held)
                     return
                 fetched = await self.gateway.retrieve(job.charge_id)
@@ -180,7 +181,7 @@ class Processor:
                     await self.inbox.review(job, self.owner, why)
                     self._count(job, Review(why))
                     return
-                job = refetched(job, fetched)
+                job = refetched(job, fetched, revision=held)
             decision = await self._decide(job, fetched)
         except LeaseHeld as error:
             log.warning("webhook.lease_lost", **job.describe(), error=str(error))
@@ -276,9 +277,10 @@ class Processor:
         self.metrics.oldest_open_s.set(counts.oldest_unprocessed_s)
 
 
-def refetched(job: Job, charge: GatewayCharge) -> Job:
+def refetched(job: Job, charge: GatewayCharge, *, revision: int) -> Job:
     """The job as the re-fetched object says: its state and refund, its key from the
-    metadata when the event had none, and the fetch's moment as its revision."""
+    metadata when the event had none, and `revision`, the fetch's moment by the database's
+    clock (`Inbox.before_fetch`: never a pod's, which may run ahead)."""
     key = job.key
     if key is None and charge.order_id and charge.order_id.isdigit() and charge.billing_period:
         with contextlib.suppress(ValueError):
@@ -292,7 +294,7 @@ def refetched(job: Job, charge: GatewayCharge) -> Job:
         amount=charge.amount,
         currency=charge.currency,
         customer=charge.customer,
-        revision=time.time_ns() // 1000,
+        revision=revision,
         order_id=order_id,
         billing_period=period,
     )
