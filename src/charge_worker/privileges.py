@@ -71,6 +71,8 @@ RUN = Needs(
         _RATE,
     ),
 )
+# CHARGE_WORKER_VERIFY_SUBSCRIPTION=match: the claim reads the message's subscription
+RUN_VERIFYING = Needs("run", (*RUN.grants, Grant("subscriptions", ("SELECT",))))
 WEBHOOKS = Needs(
     "webhooks",
     (

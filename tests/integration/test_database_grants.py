@@ -148,6 +148,7 @@ async def test_the_webhooks_role_holds_exactly_what_the_receiver_uses(roles: Rol
     assert not {relation for relation, _ in worker} & {"webhook_inbox", "webhook_inbox_id_seq"}
     others = (privileges.RUN, privileges.PRODUCE, privileges.RECONCILE, privileges.EXPLAIN)
     assert worker == set().union(*(named(needs) for needs in others))
+    assert named(privileges.RUN_VERIFYING) <= worker  # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match
 
 
 async def test_the_webhooks_role_may_spend_the_fleets_rate_limit_tokens(roles: Roles) -> None:

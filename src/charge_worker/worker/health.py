@@ -5,7 +5,7 @@ loop has not turned for `WEDGED_AFTER_S` (a hung process a restart would cure), 
 side task (`SideTasks`: the re-scoring loop, the consumer-stats loop, the HTTP server's
 loop) ended before the stop, naming it. `/readyz` answers "should this pod get work?":
 connected to NATS, PostgreSQL answering with every privilege `run` needs granted
-(`privileges.RUN`; a missing one is named), the consumer bound and not draining.
+(`privileges.RUN`, or `RUN_VERIFYING`; a missing one is named), the consumer bound and not draining.
 A side task copies JetStream's view of the consumer into gauges, so alerts can see lag and
 ack-pending from every pod (`max` over pods in the rules).
 """
@@ -90,12 +90,14 @@ class Health:
         nc: Client,
         pool: asyncpg.Pool,
         side_tasks: SideTasks | None = None,
+        needs: privileges.Needs = privileges.RUN,
     ) -> None:
         self.last_tick = last_tick
         self.consuming = consuming
         self.nc = nc
         self.pool = pool
         self.side_tasks = side_tasks
+        self.needs = needs
 
     def wedged(self, now: float | None = None) -> str | None:
         """Why this process needs a restart (a side task died, or the pull loop stopped
@@ -112,7 +114,7 @@ class Health:
             return "consumer not bound or draining"
         if not self.nc.is_connected:
             return "not connected to NATS"
-        return await privileges.not_granted(self.pool, privileges.RUN)
+        return await privileges.not_granted(self.pool, self.needs)
 
 
 async def report_consumer_stats(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import CollectorRegistry
 
-from charge_worker import event_loop, http, logs, streams
+from charge_worker import event_loop, http, logs, privileges, streams
 from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
 from charge_worker.gateway import build_gateway
@@ -96,6 +96,7 @@ async def run_worker(
         nc=nc,
         pool=pool,
         side_tasks=side_tasks,
+        needs=privileges.RUN_VERIFYING if ledger.verify_subscription else privileges.RUN,
     )
     server = http.server(  # served on `listener`, bound above
         http.probes_app(metrics.registry, wedged=health.wedged, not_ready=health.not_ready)
