@@ -25,10 +25,17 @@ from charge_worker.settings import ENV_PREFIX, Settings, env_name
 
 # A DSN carries the role's password, though the model types it `str`.
 SECRET_BY_NATURE = frozenset({"DATABASE_URL"})
-# Set by the chart from other values (natsCredentials and natsTls mount the files and point
-# here).
+# Set by the chart from other values (natsCredentials, natsTls and postgresTls mount the
+# files and point here).
 CHART_MANAGED = frozenset(
-    {"CHARGE_WORKER_NATS_CREDS_FILE", "NATS_TLS_CERT", "NATS_TLS_KEY", "NATS_TLS_CA"}
+    {
+        "CHARGE_WORKER_NATS_CREDS_FILE",
+        "NATS_TLS_CERT",
+        "NATS_TLS_KEY",
+        "NATS_TLS_CA",
+        "PGSSLMODE",
+        "PGSSLROOTCERT",
+    }
 )
 # The reliability suite's fault injection: never in a deployment.
 TEST_ONLY = frozenset({"CHARGE_WORKER_FAILPOINTS"})

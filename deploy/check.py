@@ -165,6 +165,11 @@ REFUSALS = [
         "CHARGE_WORKER_FAILPOINTS",
     ),
     Refusal(
+        "PostgreSQL verified without the CA to verify it by",
+        {"postgresTls": {"existingSecret": ""}},
+        "postgresTls.existingSecret is required with postgresTls.sslMode verify-full",
+    ),
+    Refusal(
         "a writable root filesystem",
         {"securityContext": {"readOnlyRootFilesystem": False}},
         "readOnlyRootFilesystem",

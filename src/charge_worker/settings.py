@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic import model_validator as _model_validator
@@ -30,6 +30,7 @@ LEASE_MARGIN_S = 5.0
 # UPDATE); a renewal slower than that sends nothing.
 LEASE_RENEWAL_S = 1.0
 GatewayKind = Literal["contract", "stripe"]
+SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
 KEY_PREFIX_MAX = 32
 _KEY_PREFIX = re.compile(rf"[A-Za-z0-9_.:-]{{0,{KEY_PREFIX_MAX}}}")
 # The most requests one charge makes, per adapter: Stripe reads the customer's saved card
@@ -102,11 +103,33 @@ class DbSettings(_EnvGroup):
     db_pool_max: int = Field(10, ge=1)
     db_command_timeout_s: float = Field(10.0, gt=0)
     events_retention_months: int = Field(13, ge=2)  # `maintain` drops charge_events past it
+    # TLS to PostgreSQL by libpq's names: `verify-full` checks the server's certificate
+    # against PGSSLROOTCERT and its name against the host. A DATABASE_URL's own `sslmode` /
+    # `sslrootcert` win; unset, asyncpg's default (`prefer`: encrypted if offered, unchecked).
+    sslmode: SslMode | None = _alias("PGSSLMODE", "sslmode")
+    sslrootcert: Path | None = _alias("PGSSLROOTCERT", "sslrootcert")
 
     @property
     def dsn(self) -> str:
-        """The address to connect to; fails naming DATABASE_URL when it is not set."""
-        return require(self.url.get_secret_value() if self.url else None, "DATABASE_URL")
+        """The address to connect to, with PGSSLMODE and PGSSLROOTCERT where the URL says
+        none of its own; fails naming DATABASE_URL when it is not set."""
+        url = require(self.url.get_secret_value() if self.url else None, "DATABASE_URL")
+        return with_tls(url, self.sslmode, self.sslrootcert)
+
+
+def with_tls(url: str, sslmode: str | None, sslrootcert: Path | None) -> str:
+    """`url` with `sslmode` and `sslrootcert` added to its query, each unless it has one."""
+    parts = urlsplit(url)
+    names = {name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    added = [
+        (name, str(value))
+        for name, value in (("sslmode", sslmode), ("sslrootcert", sslrootcert))
+        if value and name not in names
+    ]
+    if not added:
+        return url
+    query = "&".join(filter(None, (parts.query, urlencode(added))))
+    return urlunsplit(parts._replace(query=query))
 
 
 class WorkerSettings(_EnvGroup):

@@ -233,6 +233,22 @@ def test_the_pods_talking_to_nats_mount_its_client_certificate_and_point_at_it(
             assert env[name] == f"{tls['mountPath'].rstrip('/')}/{tls[key]}", pod.where
 
 
+@pytest.mark.parametrize("value_set", chart.VALUE_SETS)
+def test_every_pod_verifies_postgresql_by_the_mounted_ca(value_set: str) -> None:
+    """postgresTls (verify-full by default): every pod connects to PostgreSQL, so every pod
+    gets PGSSLMODE and PGSSLROOTCERT at the mounted CA (issue 34, item 10)."""
+    rendered = rendered_for(value_set)
+    tls = rendered.values["postgresTls"]
+    for pod in rendered.pods():
+        env = {e["name"]: e.get("value") for e in pod.containers[0]["env"]}
+        assert env["PGSSLMODE"] == tls["sslMode"] == "verify-full", pod.where
+        assert env["PGSSLROOTCERT"] == f"{tls['mountPath'].rstrip('/')}/{tls['caKey']}"
+        volumes = [v for v in pod.spec["volumes"] if v["name"] == "postgres-tls"]
+        assert volumes[0]["secret"]["secretName"] == tls["existingSecret"], pod.where
+        mounts = [m for m in pod.containers[0]["volumeMounts"] if m["name"] == "postgres-tls"]
+        assert mounts[0]["mountPath"] == tls["mountPath"], pod.where
+
+
 def test_the_webhook_secrets_are_a_secret_setting() -> None:
     assert "CHARGE_WORKER_WEBHOOK_SECRETS" in catalog.secrets()
     assert "CHARGE_WORKER_WEBHOOK_SECRETS" not in catalog.configurable()

@@ -174,8 +174,45 @@ reconcile: natsCredentials.keys), when set.
 - name: NATS_TLS_CA
   value: {{ printf "%s/%s" $dir $tls.caKey | quote }}
 {{- end }}
+{{- include "charge-worker.postgresTlsEnv" .ctx }}
 {{- with .ctx.Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* TLS to PostgreSQL for every pod that connects to it (postgresTls): PGSSLMODE, and
+     PGSSLROOTCERT at the mounted CA. A verifying mode without a CA fails the render. */}}
+{{- define "charge-worker.postgresTlsEnv" -}}
+{{- $tls := .Values.postgresTls }}
+{{- if $tls.sslMode }}
+- name: PGSSLMODE
+  value: {{ $tls.sslMode | quote }}
+{{- end }}
+{{- if $tls.existingSecret }}
+- name: PGSSLROOTCERT
+  value: {{ printf "%s/%s" (trimSuffix "/" $tls.mountPath) $tls.caKey | quote }}
+{{- else if has $tls.sslMode (list "verify-ca" "verify-full") }}
+{{- fail (printf "postgresTls.existingSecret is required with postgresTls.sslMode %s: the Secret holding the CA that signed PostgreSQL's certificate (or set postgresTls.sslMode to require, which encrypts without checking the server)" $tls.sslMode) }}
+{{- end }}
+{{- end }}
+
+{{- define "charge-worker.postgresTlsVolume" -}}
+{{- if .Values.postgresTls.existingSecret }}
+- name: postgres-tls
+  secret:
+    secretName: {{ .Values.postgresTls.existingSecret }}
+    defaultMode: 0444
+    items:
+      - key: {{ .Values.postgresTls.caKey }}
+        path: {{ .Values.postgresTls.caKey }}
+{{- end }}
+{{- end }}
+
+{{- define "charge-worker.postgresTlsVolumeMount" -}}
+{{- if .Values.postgresTls.existingSecret }}
+- name: postgres-tls
+  mountPath: {{ .Values.postgresTls.mountPath }}
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -221,6 +258,7 @@ reconcile: natsCredentials.keys), when set.
         path: {{ . }}
       {{- end }}
 {{- end }}
+{{- include "charge-worker.postgresTlsVolume" .ctx }}
 {{- with .ctx.Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -239,6 +277,7 @@ reconcile: natsCredentials.keys), when set.
   mountPath: {{ .ctx.Values.natsTls.mountPath }}
   readOnly: true
 {{- end }}
+{{- include "charge-worker.postgresTlsVolumeMount" .ctx }}
 {{- with .ctx.Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
