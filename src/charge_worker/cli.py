@@ -273,7 +273,8 @@ def dlq() -> None:
 
 
 _REASON_HELP = (
-    "Only dead letters with this Dlq-Reason (poison, max_deliveries, rejected, conflict)."
+    "Only dead letters with this Dlq-Reason (poison, max_deliveries, rejected, conflict,"
+    " unverified)."
 )
 
 
