@@ -1,9 +1,10 @@
 # charge-worker image: one command, `charge-worker`; the arguments pick what it does
 #   docker run IMAGE run | produce | reconcile | migrate | provision | ...
 # Checked offline by `make check-deploy` (hadolint, from the `deploy` extra, plus the
-# structural checks in deploy/dockerfile.py). The base is pinned by version; pin it by digest
-# too (`python:3.11.14-slim-bookworm@sha256:...`) where your registry mirror allows.
-ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+# structural checks in deploy/dockerfile.py). The base is pinned by version and by the digest
+# of its multi-architecture index, so a rebuild gets the same bytes; to move it, take the new
+# digest from `docker buildx imagetools inspect python:3.11.N-slim-bookworm`.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
 
 # --- build: a virtualenv with the project and its runtime dependencies, nothing else ---
 FROM ${PYTHON_IMAGE} AS build

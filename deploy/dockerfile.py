@@ -25,7 +25,7 @@ from deploy.chart import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
-BASE = re.compile(r"^python:3\.11\.\d+-slim(-[a-z]+)?(@sha256:[a-f0-9]{64})?$")
+BASE = re.compile(r"^python:3\.11\.\d+-slim(-[a-z]+)?@sha256:[a-f0-9]{64}$")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,9 @@ def check_structure(text: str) -> list[str]:
     problems = [] if final >= 1 else ["the Dockerfile is not multi-stage"]
     base = _final_base(steps)
     if not BASE.match(base):
-        problems.append(f"final base {base} is not a pinned python:3.11.N-slim image")
+        problems.append(
+            f"final base {base} is not a python:3.11.N-slim image pinned by version and digest"
+        )
     runs = " ".join(s.args for s in steps if s.keyword == "RUN")
     if re.search(r"pip (--python \S+ )?install[^&;]*\[[^]]*\b(dev|deploy)\b", runs):
         problems.append("pip installs the project with extras (the image takes runtime deps only)")

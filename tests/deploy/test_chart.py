@@ -8,6 +8,7 @@ extra and runs both the checker and these tests, and CI runs `make check-deploy`
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -838,6 +839,13 @@ def test_dockerfile_checks_notice_a_careless_dockerfile(tmp_path: Path) -> None:
     for says in ("not multi-stage", "python:latest", "extras", "compiler", "USER", "ENTRYPOINT"):
         assert says in structure
     assert dockerfile.check_dockerignore(".venv\n") != []
+
+
+def test_a_base_pinned_by_tag_alone_is_refused() -> None:
+    """A tag moves under the same name; the digest is the bytes (issue 34, item 11)."""
+    pinned = dockerfile.DOCKERFILE.read_text()
+    tag_only = re.sub(r"@sha256:[0-9a-f]{64}", "", pinned)
+    assert "pinned by version and digest" in " ".join(dockerfile.check_structure(tag_only))
 
 
 def test_the_link_check_notices_a_copy_or_a_wrong_target(tmp_path: Path) -> None:
