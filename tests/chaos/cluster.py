@@ -67,6 +67,7 @@ HEALTHY_GATEWAY = {
     "lost_answer_rate": 0.0,
     "error_rates": {},
     "latency": GatewayConfig().latency.model_dump(),
+    "endpoint_latency": {},
 }
 HEALTHY_SCORING = {
     "latency": ScoringConfig().latency.model_dump(),

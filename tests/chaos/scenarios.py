@@ -194,7 +194,45 @@ LEASE_OUTLIVED = Scenario(
     quick_size=100,
 )
 
-FULL_ONLY: tuple[Scenario, ...] = (LEASE_OUTLIVED,)
+# The same promise where the old arithmetic was wrong: a Stripe charge of three requests
+# (no invoice default: the customer, its cards, then the intent), each just under the
+# timeout, and token waits on top. The lease runs out while the charge still reads, so a
+# redelivery takes it over, looks up (fast: before the first intent lands), finds nothing
+# and charges. Only a lease checked and renewed right before the intent (`before_send`)
+# keeps that takeover from charging a second time; the pipeline of before 5c40fd3 (the
+# lease checked once, for two requests, before the reads) double-charges here.
+NEAR_TIMEOUT = LatencyModel(slow_fraction=1.0, slow_min_s=5.2, slow_max_s=5.7)
+LEASE_OUTLIVED_STRIPE = Scenario(
+    "lease_outlived_stripe",
+    "GATEWAY_KIND=stripe without idempotency, no invoice default (3 requests a charge, each "
+    "5.2-5.7 s of a 6 s timeout; lookups fast), fleet rate limit 4/s, NATS blackholed "
+    "1.5-2.5x ack_wait mid-call: the lease runs out before the intent is sent",
+    workers=3,
+    nemeses=(nemesis.HEARTBEATS_CUT,),
+    gateway=STRIPE
+    | {
+        "idempotency_enabled": False,
+        "invoice_default": False,
+        "endpoint_latency": {
+            "GET /v1/customers/{id}": NEAR_TIMEOUT,
+            "GET /v1/payment_methods": NEAR_TIMEOUT,
+            "POST /v1/payment_intents": NEAR_TIMEOUT,
+        },
+        "latency": LatencyModel(slow_fraction=1.0, slow_min_s=0.1, slow_max_s=0.3),
+    },
+    settings={
+        "kind": "stripe",
+        "gateway_timeout_s": 6.0,
+        "lease_s": 12.0,  # the least the settings accept: timeout + margin + renewal
+        "gateway_rate_limit": 4.0,
+        "concurrency": 8,
+        "processing_budget_s": 60.0,
+    },
+    full_settings={"gateway_rate_limit": 40.0, "concurrency": 64},
+    quick_size=100,
+)
+
+FULL_ONLY: tuple[Scenario, ...] = (LEASE_OUTLIVED, LEASE_OUTLIVED_STRIPE)
 
 # The clustered engines. The gateway is slow and the workers few, so charges are still
 # flowing when the faults strike.

@@ -10,14 +10,19 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from charge_worker.messages import parse
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
+from charge_worker.sandbox.gateway.config import ENDPOINTS
+from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.serve import ServedApp
-from tests.support.harness import eventually
+from tests.support.harness import due, eventually
+from tests.support.providers import provider
 
 API_KEY = "sk_test_sandbox"
 
@@ -636,3 +641,55 @@ async def test_config_updates_partially_and_reset_forgets(client: httpx.AsyncCli
 def test_the_app_exposes_its_simulator() -> None:
     app = build_gateway_app(GatewayConfig(api_key="sk_other"))
     assert app.state.sim.config.api_key == "sk_other"
+
+
+def test_an_endpoint_latency_replaces_latency_for_that_endpoint_alone() -> None:
+    slow, fast = LatencyModel.fixed(5.5), LatencyModel.fixed(0.2)
+    config = GatewayConfig(
+        flavour="stripe", latency=fast, endpoint_latency={"POST /v1/payment_intents": slow}
+    )
+    sim = build_gateway_app(config).state.sim
+
+    assert sim.latency_of("POST /v1/payment_intents") == slow
+    assert sim.latency_of("GET /v1/payment_intents") == fast
+    with pytest.raises(ValidationError, match="endpoint_latency"):  # not a contract endpoint
+        GatewayConfig(endpoint_latency={"POST /v1/payment_intents": slow})
+
+
+async def test_a_slow_endpoint_holds_its_requests_while_the_others_answer(
+    client: httpx.AsyncClient,
+) -> None:
+    await configure(client, endpoint_latency={"POST /v1/charges": {"fixed_s": 3.0}})
+
+    charging = asyncio.create_task(charge(client))
+    await eventually(lambda: in_flight(client), "the charge's key in progress")
+    listed = await client.get("/v1/charges")
+
+    assert listed.status_code == 200
+    assert await in_flight(client), "the list answered while the charge still waited"
+    assert (await charging).status_code == 200
+
+
+async def in_flight(client: httpx.AsyncClient) -> bool:
+    return bool((await client.get("/_sim/stats")).json()["in_flight"])
+
+
+async def test_without_an_invoice_default_a_stripe_charge_is_three_requests() -> None:
+    """`invoice_default` false (the chaos scenario `lease_outlived_stripe`): no customer has
+    an invoice default payment method, its card is only listed, so the Stripe adapter reads
+    the customer, then its cards, then creates the PaymentIntent with the listed card."""
+    with provider("stripe", invoice_default=False) as sim:
+        gateway = sim.gateway()
+        try:
+            result = await gateway.charge(parse(due(1, "cus_ok_1")))
+        finally:
+            await gateway.aclose()
+        stats = await sim.stats()
+
+    assert result.status == "succeeded"
+    assert stats["by_endpoint"] == {
+        "GET /v1/customers/{id}": 1,
+        "GET /v1/payment_methods": 1,
+        "POST /v1/payment_intents": 1,
+    }
+    assert set(stats["by_endpoint"]) <= set(ENDPOINTS["stripe"])

@@ -28,7 +28,8 @@ Knobs (`GatewayConfig`, in `config.py`; also `POST /_sim/config` at runtime):
 
 * `api_key` (`sk_test_sandbox`); `seed` (`None`: random);
 * `latency`: a `LatencyModel` (default 0 s) for every `/v1` request; for a charge it is the
-  time the key stays in progress;
+  time the key stays in progress; `endpoint_latency` (`{"GET /v1/charges": model}`, the
+  names of `/_sim/stats`): an endpoint's own, instead;
 * `error_rates`: `{status: probability}` for `429` and `5xx`, drawn for every `/v1` request
   after auth and before anything is recorded; `429` carries `Retry-After: retry_after_s`;
 * `rate_limit_per_s` (`None`: none): the account's request rate, as a provider's limit: a
@@ -100,6 +101,7 @@ from charge_worker.sandbox.gateway.state import (
     StoredResponse,
 )
 from charge_worker.sandbox.gateway.webhooks import WebhookDelivery
+from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.simulator import Simulator, pause, read_json
 
 __all__ = [  # GatewayConfig lives in config.py; callers import it from here
@@ -225,8 +227,19 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             *self.control_routes(),
         ]
 
+    def latency_of(self, endpoint: str, config: GatewayConfig | None = None) -> LatencyModel:
+        """How long a request to `endpoint` takes: its `endpoint_latency`, else `latency`."""
+        config = config or self.config
+        return config.endpoint_latency.get(endpoint, config.latency)
+
+    async def delay(self, request: Request, config: GatewayConfig | None = None) -> None:
+        """The simulated latency of `request` (its endpoint's, see `latency_of`)."""
+        endpoint = getattr(request.state, "endpoint", "")
+        await asyncio.sleep(self.latency_of(endpoint, config).sample(self.rng))
+
     def _counted(self, endpoint: str, handler: Handler) -> Handler:
         async def counted(request: Request) -> Response:
+            request.state.endpoint = endpoint
             self.by_second[int(time.time())] += 1
             response = await handler(request)
             self.by_endpoint[endpoint] += 1
@@ -278,7 +291,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         except InvalidRequest as exc:
             return rejected(exc)
         book = self.book
-        await asyncio.sleep(self.config.latency.sample(self.rng))
+        await self.delay(request)
         try:
             charges, has_more = book.find(query)
         except KeyError:
@@ -460,7 +473,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
                 case Claimed():
                     pass
         try:
-            await asyncio.sleep(config.latency.sample(self.rng))
+            await self.delay(request, config)
             response = execute(book)
         except BaseException:
             if idempotent:

@@ -13,6 +13,18 @@ from charge_worker.webhooks.signature import check_secret
 
 # public, like the sandbox API key sk_test_sandbox
 SANDBOX_WEBHOOK_SECRET = "whsec_Y2hhcmdlLXdvcmtlci1zYW5kYm94LXdlYmhvb2tz"  # noqa: S105
+# the `/v1` endpoints of each flavour, as `/_sim/stats` names them (`endpoint_latency`)
+ENDPOINTS: dict[str, tuple[str, ...]] = {
+    "contract": ("POST /v1/charges", "GET /v1/charges", "POST /v1/refunds"),
+    "stripe": (
+        "GET /v1/customers/{id}",
+        "GET /v1/payment_methods",
+        "POST /v1/payment_intents",
+        "GET /v1/payment_intents",
+        "GET /v1/payment_intents/{id}",
+        "POST /v1/refunds",
+    ),
+}
 
 
 class GatewayConfig(BaseModel):
@@ -24,6 +36,8 @@ class GatewayConfig(BaseModel):
     flavour: Literal["contract", "stripe"] = "contract"
     api_key: str = "sk_test_sandbox"
     latency: LatencyModel = LatencyModel()
+    # an endpoint of `ENDPOINTS` -> its own latency, instead of `latency`
+    endpoint_latency: dict[str, LatencyModel] = Field(default_factory=dict)
     error_rates: dict[int, float] = Field(default_factory=dict)
     retry_after_s: int = Field(1, ge=0)
     rate_limit_per_s: float | None = Field(None, gt=0)  # the account's request rate
@@ -32,6 +46,9 @@ class GatewayConfig(BaseModel):
     lost_answer_delay_s: float = Field(30.0, ge=0)
     idempotency_enabled: bool = True
     processing_settle_s: float = Field(1.0, ge=0)  # Stripe flavour: a bank debit's delay
+    # Stripe flavour: false, no customer has an invoice default payment method (its card is
+    # only listed), so a charge is three requests: the customer, its cards, the intent
+    invoice_default: bool = True
     key_retention_s: float = Field(86400.0, gt=0)
     seed: int | None = None
     webhook_url: str | None = None
@@ -57,6 +74,15 @@ class GatewayConfig(BaseModel):
         if any(step < 0 for step in value):
             raise ValueError("webhook_retry_schedule_s: every step must be >= 0 seconds")
         return value
+
+    @model_validator(mode="after")
+    def _known_endpoints(self) -> Self:
+        if unknown := sorted(set(self.endpoint_latency) - set(ENDPOINTS[self.flavour])):
+            raise ValueError(
+                f"endpoint_latency: {unknown} not among the {self.flavour} flavour's "
+                f"endpoints {list(ENDPOINTS[self.flavour])}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _valid_error_rates(self) -> Self:

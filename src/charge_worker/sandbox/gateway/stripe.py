@@ -6,7 +6,8 @@ delivery as the contract flavour (`app.py`), in Stripe's wire format (`stripe_wi
 
 * `GET /v1/customers/{id}`: every `cus_…` exists, with a saved card as
   `invoice_settings.default_payment_method` (`pm_card_<id>`), except `cus_nocard…` (none);
-  `GET /v1/payment_methods?customer=…&type=card` lists it;
+  `GET /v1/payment_methods?customer=…&type=card` lists it; with `invoice_default` false no
+  customer has a default, the card is only listed (a charge is then three requests);
 * `POST /v1/payment_intents` (form-encoded; `confirm=true`, `off_session=true`, the
   customer's card): `cus_decline…` is declined (`402 card_error card_declined`, the intent
   left `requires_payment_method` and stored), `cus_auth…` too with `authentication_required`,
@@ -173,8 +174,9 @@ class StripeSimulator(GatewaySimulator):
             raise invalid(
                 "resource_missing", f"No such customer: '{customer[:60]}'", "id", status=404
             )
-        await asyncio.sleep(self.config.latency.sample(self.rng))
-        return JSONResponse(customer_json(customer, default_payment_method(customer)))
+        await self.delay(request)
+        default = default_payment_method(customer) if self.config.invoice_default else None
+        return JSONResponse(customer_json(customer, default))
 
     async def list_payment_methods(self, request: Request) -> Response:
         """`GET /v1/payment_methods?customer=…&type=card`."""
@@ -182,6 +184,7 @@ class StripeSimulator(GatewaySimulator):
         customer = query.get("customer")
         if not isinstance(customer, str) or query.get("type", "card") != "card":
             raise invalid("parameter_missing", "Missing required param: customer.", "customer")
+        await self.delay(request)
         card = default_payment_method(customer)
         data = [payment_method_json(card, customer)] if card else []
         return JSONResponse(page("/v1/payment_methods", data, False))
@@ -254,14 +257,14 @@ class StripeSimulator(GatewaySimulator):
     async def get_intent(self, request: Request) -> Response:
         """`GET /v1/payment_intents/{id}`."""
         expand = expand_of(_query(request))
-        await asyncio.sleep(self.config.latency.sample(self.rng))
+        await self.delay(request)
         intent = self._intent(request.path_params["id"], "id", status=404)
         return JSONResponse(intent_json(intent, expand=expand))
 
     async def list_intents(self, request: Request) -> Response:
         """`GET /v1/payment_intents`: newest first."""
         query = parse_list(_query(request))
-        await asyncio.sleep(self.config.latency.sample(self.rng))
+        await self.delay(request)
         found, has_more = self._find(query)
         data = [intent_json(intent, expand=query.expand) for intent in found]
         return JSONResponse(page("/v1/payment_intents", data, has_more))
