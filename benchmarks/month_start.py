@@ -13,7 +13,14 @@ Three parts, each on a fresh database and streams:
    reconcile` runs on a short schedule with a short quiet time: no message still queued
    may be re-published; then what each store holds per charge. With `rate_limit`, the
    fleet is limited (`CHARGE_WORKER_GATEWAY_RATE_LIMIT`) and so is the gateway simulator
-   (`rate_limit_per_s`): the per-second rate at the gateway and the 429s it answered;
+   (`rate_limit_per_s`): the per-second rate at the gateway and the 429s it answered.
+   The limited drain speaks Stripe (`GATEWAY_KIND=stripe`, the simulator's Stripe flavour)
+   and also runs one `charge-worker webhooks` receiver, the simulator delivering its
+   webhooks to it: the Stripe flavour re-fetches an intent before applying its event (the
+   contract's webhooks carry the whole charge and look up only after a wait bound, so
+   they would ask the gateway next to nothing). The receiver reaches the simulator through
+   a counting proxy in the harness (`CountingProxy`), so its own requests are counted per
+   second apart from the fleet's total the simulator counts (`receiver_requests`);
 3. **steady reconcile**: `history` charges (default 1,000,000) in the gateway's history and
    the ledger, a run that checkpoints, `new` charges more (default 10,000), another run:
    its gateway requests, wall time and peak RSS against the new activity's pages.
@@ -32,6 +39,8 @@ import math
 import resource
 import sys
 import time
+from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,13 +48,23 @@ from typing import Any
 import asyncpg
 import httpx
 import psutil  # type: ignore[import-untyped]  # no stubs installed
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
-from benchmarks.drain import Workers, child_env, worker_settings
-from benchmarks.processes import OTHER, CpuMeter
-from benchmarks.stack import Stack
+from benchmarks.drain import READY_TIMEOUT_S, Workers, child_env, worker_settings
+from benchmarks.processes import OTHER, Child, CpuMeter, python_argv
+from benchmarks.stack import GATEWAY_SEED, Simulator, Stack
 from benchmarks.stats import percentile
 from charge_worker import streams
-from charge_worker.settings import Settings
+from charge_worker.ratelimit import RateLimiter
+from charge_worker.sandbox.embedded import free_port
+from charge_worker.sandbox.gateway.config import SANDBOX_WEBHOOK_SECRET, GatewayConfig
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import Settings, WebhookSettings
 
 PERIOD = "2026-12-01"
 FIRST_ORDER = 1
@@ -61,6 +80,11 @@ LIMITED_CHARGES = 20_000
 PRODUCE_PROCESSES = 2  # `produce --processes`: one per core of the benchmark's machine
 PREVIOUS = "2026-11-01"  # the previous month, settled and reconciled, already in the ledger
 HISTORY_AGE_S = 3600  # the month's history is older than the overlap a later run reads again
+# The limited drain's provider: Stripe's webhooks carry an intent the receiver re-fetches
+# (unless a worker's live lease holds its row), so its requests count against the limit
+WEBHOOK_FLAVOUR = "stripe"
+WEBHOOK_PATH = "/webhooks/gateway"
+RETRIEVE = "GET /v1/payment_intents/{id}"  # only the receiver re-fetches an intent by id
 
 
 @dataclass
@@ -113,6 +137,7 @@ class Timeline:
     settled: list[int] = field(default_factory=list)
     reconcile_at: list[float] = field(default_factory=list)
     gateway_per_s: dict[int, int] = field(default_factory=dict)  # unix second -> requests
+    receiver_per_s: dict[int, int] = field(default_factory=dict)  # the webhook receiver's
     started_unix: float = 0.0
 
 
@@ -149,6 +174,17 @@ class MonthStart:
                 f"429s {lim['gateway_429']}, re-published while queued "
                 f"{lim['republished_while_queued']}"
             )
+            if rec := lim.get("receiver"):
+                verdict = "within it" if rec["fleet_within_limit"] else "OVER it"
+                out.append(
+                    f"  webhook receiver ({rec['flavour']}: re-fetches an intent no worker "
+                    f"holds): {rec['requests']} gateway requests during the drain, per "
+                    f"second max {rec['per_s_max']}, 429s {rec['429']}, events applied "
+                    f"{rec['events'].get('applied', 0):,.0f} of "
+                    f"{rec['deliveries'].get('journaled', 0):,.0f} journaled; fleet (workers, "
+                    f"reconcile, receiver) per second max {lim['gateway_per_s_max']} against "
+                    f"{rec['limit']:g}/s + a burst of {rec['fleet_burst']}: {verdict}"
+                )
         out.append(
             f"  steady reconcile, {r['history']:,} in history and {r['new']:,} new: "
             f"{r['second_run_gateway_requests']} gateway requests for {r['new_activity_pages']} "
@@ -198,9 +234,12 @@ async def _drain(
     log_dir: Path,
     *,
     reconcile_every_s: float,
+    receiver: Receiver | None = None,
 ) -> tuple[Timeline, list[dict[str, Any]], float]:
-    """Two workers drain what `produce` published while reconcile runs on a schedule;
-    the timeline, each reconcile run's counts, and the drain's seconds."""
+    """Two workers drain what `produce` published while reconcile runs on a schedule (and
+    `receiver`, started before them, takes the gateway's webhooks; stopped with them, its
+    figures in `receiver.result`); the timeline, each reconcile run's counts, and the
+    drain's seconds."""
     timeline, runs = Timeline(started_unix=time.time()), list[dict[str, Any]]()
     workers = Workers(settings, log_dir, count=2)
     nc = await streams.connect(settings.nats, name="bench-month-start", reconnect=False)
@@ -218,29 +257,166 @@ async def _drain(
             with contextlib.suppress(ValueError):
                 runs.append(json.loads(done.stdout).get("counts", {}))
 
-    started = time.monotonic()
-    workers.start()
-    cron = asyncio.create_task(reconcile_on_schedule())
+    http = httpx.AsyncClient(timeout=10)
+    cron: asyncio.Task[None] | None = None
     try:
-        async with httpx.AsyncClient(timeout=10) as http:
-            await workers.wait_ready(http)
+        if receiver is not None:
+            await receiver.start(http)
+        started = time.monotonic()
+        timeline.started_unix = time.time()
+        workers.start()
+        cron = asyncio.create_task(reconcile_on_schedule())
+        await workers.wait_ready(http)
         while time.monotonic() - started < DRAIN_TIMEOUT_S:
             if await _sample(conn, nc, settings, timeline, started):
                 break
             await asyncio.sleep(SAMPLE_S)
         seconds = time.monotonic() - started
+        if receiver is not None:  # before its stop: the figures of the drain
+            receiver.result = await receiver.figures(http)
     finally:
         stop.set()
-        await cron
+        if cron is not None:
+            await cron
         await workers.stop()
+        if receiver is not None:
+            await receiver.stop()
+        await http.aclose()
         await conn.close()
         await nc.close()
     return timeline, runs, seconds
 
 
-async def _gateway_stats(stack: Stack) -> dict[str, Any]:
+async def _gateway_stats(gateway: Simulator) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=30) as http:
-        return await stack.gateway.stats(http)
+        return await gateway.stats(http)
+
+
+_HOP_BY_HOP = frozenset(
+    {"connection", "content-length", "content-encoding", "host", "keep-alive", "transfer-encoding"}
+)
+
+
+class CountingProxy:
+    """A loopback HTTP proxy in front of the gateway simulator for one client (the webhook
+    receiver): every request forwarded as is, counted by unix second, endpoint (ids as
+    `{id}`) and status. Served in a thread of its own, off the harness's loop."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.per_second: Counter[int] = Counter()
+        self.by_endpoint: Counter[str] = Counter()
+        self.by_status: Counter[str] = Counter()
+        self.client: httpx.AsyncClient | None = None
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            async with httpx.AsyncClient(base_url=upstream, timeout=60) as client:
+                self.client = client
+                yield
+
+        methods = ["GET", "POST", "DELETE"]
+        route = Route("/{path:path}", self._forward, methods=methods)
+        self.served = ServedApp(Starlette(routes=[route], lifespan=lifespan))
+
+    @property
+    def url(self) -> str:
+        return self.served.url
+
+    def start(self) -> None:
+        self.served.start()
+
+    def stop(self) -> None:
+        self.served.stop()
+
+    def requests_between(self, first_unix: float, last_unix: float) -> list[int]:
+        """Requests in each second of [first, last] (0 where none), in order."""
+        seconds = range(int(first_unix), int(last_unix) + 1)
+        counted = dict(self.per_second)  # a copy: the proxy's thread may still count
+        return [counted.get(second, 0) for second in seconds]
+
+    async def _forward(self, request: Request) -> Response:
+        assert self.client is not None
+        self.per_second[int(time.time())] += 1
+        parts = request.url.path.split("/")  # "", "v1", "payment_intents", "pi_…"
+        endpoint = "/".join(parts[:3] + ["{id}"] * len(parts[3:]))
+        self.by_endpoint[f"{request.method} {endpoint}"] += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        answer = await self.client.request(
+            request.method,
+            request.url.path,
+            params=request.url.query,
+            headers=headers,
+            content=await request.body(),
+        )
+        self.by_status[str(answer.status_code)] += 1
+        kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
+        return Response(answer.content, status_code=answer.status_code, headers=kept)
+
+
+class Receiver:
+    """One `charge-worker webhooks` process: the gateway's webhooks in, its gateway
+    requests out through a `CountingProxy` (the fleet's rate limiter shared with the
+    workers, through the same database)."""
+
+    def __init__(self, settings: Settings, root: Path, log_dir: Path, gateway: Simulator):
+        self.result: dict[str, dict[str, float]] = {}
+        self.port = free_port()
+        self.proxy = CountingProxy(gateway.url)
+        self.proxy.start()
+        webhooks = WebhookSettings(
+            webhook_host="127.0.0.1",
+            webhook_port=self.port,
+            webhook_secrets=(SecretStr(SANDBOX_WEBHOOK_SECRET),),
+        )
+        own = settings.gateway.model_copy(update={"url": self.proxy.url})
+        settings = settings.model_copy(update={"webhooks": webhooks, "gateway": own})
+        self.child = Child(
+            "webhook receiver",
+            python_argv("-m", "charge_worker", "webhooks"),
+            log_dir / "webhook-receiver.log",
+            env=child_env(settings, root),
+            cwd=log_dir,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def webhook_url(self) -> str:
+        return f"{self.url}{WEBHOOK_PATH}"
+
+    async def start(self, http: httpx.AsyncClient) -> None:
+        self.child.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if self.child.returncode is not None:
+                raise RuntimeError(f"the webhook receiver exited:\n{self.child.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get(f"{self.url}/readyz")).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the webhook receiver was not ready in {READY_TIMEOUT_S} s")
+            await asyncio.sleep(0.1)
+
+    async def figures(self, http: httpx.AsyncClient) -> dict[str, dict[str, float]]:
+        """Deliveries by result and events by status, from its `/metrics`."""
+        text = (await http.get(f"{self.url}/metrics")).text
+        out: dict[str, dict[str, float]] = {"deliveries": {}, "events": {}}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "charge_worker_webhook_deliveries_total":
+                    out["deliveries"][sample.labels["result"]] = sample.value
+                elif sample.name == "charge_worker_webhook_events_total":
+                    out["events"][sample.labels["status"]] = sample.value
+        return {kind: {k: v for k, v in each.items() if v} for kind, each in out.items()}
+
+    async def stop(self) -> int | None:
+        try:
+            return await asyncio.to_thread(self.child.stop)
+        finally:
+            self.proxy.stop()
 
 
 async def prepare(url: str, charges: int) -> int:
@@ -307,11 +483,51 @@ async def _sizes(settings: Settings, charges: int, ledger_before: int) -> dict[s
     }
 
 
-async def _configure_gateway(stack: Stack, **config: Any) -> None:
+async def _configure_gateway(gateway: Simulator, **config: Any) -> None:
     async with httpx.AsyncClient(timeout=30) as http:
-        (await http.post(f"{stack.gateway.url}/_sim/reset")).raise_for_status()
+        (await http.post(f"{gateway.url}/_sim/reset")).raise_for_status()
         patch = {"latency": {"fixed_s": 0.0}, "key_retention_s": 86400.0} | config
-        (await http.post(f"{stack.gateway.url}/_sim/config", json=patch)).raise_for_status()
+        (await http.post(f"{gateway.url}/_sim/config", json=patch)).raise_for_status()
+
+
+def stripe_simulator(log_dir: Path) -> Simulator:
+    """A second gateway simulator, in the Stripe flavour (chosen at its start), for the
+    limited drain and its webhook receiver; started by the caller."""
+    config = GatewayConfig(flavour=WEBHOOK_FLAVOUR, seed=GATEWAY_SEED)
+    sim = Simulator("gateway", config.model_dump_json(), log_dir)
+    sim.child.log_path = log_dir / f"gateway-{WEBHOOK_FLAVOUR}-sim.log"
+    return sim
+
+
+def _receiver_figures(
+    receiver: Receiver, stats: dict[str, Any], timeline: Timeline, seconds: float, limit: float
+) -> dict[str, Any]:
+    """What the receiver asked of the gateway during the drain (its proxy's counts), and
+    whether the whole fleet stayed within the limit (the simulator's per-second counts:
+    workers, reconcile and receiver; at most the rate plus the limiter's burst, no 429)."""
+    proxy, start = receiver.proxy, timeline.started_unix
+    per_s = proxy.requests_between(start, start + seconds)
+    timeline.receiver_per_s = {int(start) + i: n for i, n in enumerate(per_s) if n}
+    burst = RateLimiter(None, rate_per_s=limit).capacity
+    fleet = _rates(stats, start)
+    return {
+        "flavour": WEBHOOK_FLAVOUR,
+        "limit": limit,
+        "requests": sum(per_s),
+        "per_s_max": max(per_s, default=0),
+        "per_s_p50": percentile([float(n) for n in per_s], 50) if per_s else 0.0,
+        "429": proxy.by_status.get("429", 0),
+        # from its start to its stop (a moment after the drain's end), by endpoint; and the
+        # simulator's own count of intents fetched by id, which only the receiver does:
+        # the two agree when the proxy counted right
+        "until_stopped": dict(proxy.by_endpoint),
+        "retrieves_at_gateway": stats.get("by_endpoint", {}).get(RETRIEVE, 0),
+        "deliveries": receiver.result.get("deliveries", {}),
+        "events": receiver.result.get("events", {}),
+        "fleet_burst": burst,
+        "fleet_within_limit": stats.get("rate_limited", 0) == 0
+        and max(fleet, default=0) <= limit + burst,
+    }
 
 
 def _rates(stats: dict[str, Any], since_unix: float) -> list[int]:
@@ -320,22 +536,35 @@ def _rates(stats: dict[str, Any], since_unix: float) -> list[int]:
 
 
 async def produce_and_drain(
-    stack: Stack, root: Path, log_dir: Path, charges: int, *, rate_limit: float = 0.0
+    stack: Stack,
+    root: Path,
+    log_dir: Path,
+    charges: int,
+    *,
+    rate_limit: float = 0.0,
+    webhooks: Simulator | None = None,
 ) -> dict[str, Any]:
     """Parts 1 and 2 on one fresh database; with `rate_limit`, the fleet and the gateway
-    are limited to it."""
+    are limited to it. With `webhooks` (a Stripe-flavour simulator), the drain charges
+    there and a webhook receiver takes its webhooks (`result["receiver"]`)."""
     url = await stack.new_database()
     settings = worker_settings(stack, url)
+    sim = webhooks or stack.gateway
     reconcile = settings.reconcile.model_copy(update={"reconcile_quiet_s": QUIET_S})
-    gateway = settings.gateway.model_copy(update={"gateway_rate_limit": rate_limit})
+    limited: dict[str, Any] = {"gateway_rate_limit": rate_limit}
+    if webhooks is not None:
+        limited |= {"kind": WEBHOOK_FLAVOUR, "url": webhooks.url}
+    gateway = settings.gateway.model_copy(update=limited)
     settings = settings.model_copy(update={"reconcile": reconcile, "gateway": gateway})
-    await _configure_gateway(stack, rate_limit_per_s=rate_limit or None)
+    receiver = Receiver(settings, root, log_dir, webhooks) if webhooks is not None else None
+    hook = {"webhook_url": receiver.webhook_url} if receiver is not None else {}
+    await _configure_gateway(sim, rate_limit_per_s=rate_limit or None, **hook)
     before = await prepare(url, charges)
     produced = await produce(settings, root)
     timeline, runs, seconds = await _drain(
-        stack, settings, root, log_dir, reconcile_every_s=RECONCILE_EVERY_S
+        stack, settings, root, log_dir, reconcile_every_s=RECONCILE_EVERY_S, receiver=receiver
     )
-    stats = await _gateway_stats(stack)
+    stats = await _gateway_stats(sim)
     timeline.gateway_per_s = {int(k): v for k, v in stats.get("per_second", {}).items()}
     rates = _rates(stats, timeline.started_unix)
     result = {
@@ -351,8 +580,11 @@ async def produce_and_drain(
         "gateway_per_s_max": max(rates, default=0),
         "gateway_429": stats.get("rate_limited", 0),
         "bytes_per_charge": await _sizes(settings, charges, before),
-        "timeline": asdict(timeline),
     }
+    if receiver is not None:
+        result["receiver"] = _receiver_figures(receiver, stats, timeline, seconds, rate_limit)
+        await _configure_gateway(sim)  # no more deliveries to a receiver that has stopped
+    result["timeline"] = asdict(timeline)
     await stack.drop_database(url)
     return result
 
@@ -361,13 +593,13 @@ async def steady_reconcile(stack: Stack, root: Path, history: int, new: int) -> 
     """Part 3: a checkpointed run, then one after `new` more charges."""
     url = await stack.new_database()
     settings = worker_settings(stack, url)
-    await _configure_gateway(stack)
+    await _configure_gateway(stack.gateway)
     await _load(stack, url, FIRST_ORDER, history, age_s=HISTORY_AGE_S)
     first = await run_command(settings, root, "reconcile", "--json")
-    before = await _gateway_stats(stack)
+    before = await _gateway_stats(stack.gateway)
     await _load(stack, url, FIRST_ORDER + history, new)
     second = await run_command(settings, root, "reconcile", "--json")
-    after = await _gateway_stats(stack)
+    after = await _gateway_stats(stack.gateway)
     requests = after["requests"] - before["requests"]
     new_pages = math.ceil(new / PAGE)
     await stack.drop_database(url)
@@ -443,6 +675,9 @@ def draw(timeline: dict[str, Any], limit: float, path: Path) -> bool:
     bottom.plot(t, per_s, label="settled per second")
     if gateway:
         bottom.plot(*zip(*gateway, strict=True), label="gateway requests per second")
+    receiver = sorted((int(k) - start, v) for k, v in timeline.get("receiver_per_s", {}).items())
+    if receiver:
+        bottom.plot(*zip(*receiver, strict=True), label="of which the webhook receiver's")
     if limit:
         bottom.axhline(limit, linestyle="--", color="grey", label=f"fleet limit {limit:g}/s")
     for axis in (top, bottom):
@@ -477,10 +712,18 @@ async def month_start(
     result.bytes_per_charge = result.drain.pop("bytes_per_charge")
     result.produce = {k: result.drain.pop(k) for k in list(result.drain) if k.startswith("produce")}
     if rate_limit:
-        say(f"month start: {limited_charges:,} charges with the fleet limited to {rate_limit:g}/s")
-        result.limited = await produce_and_drain(
-            stack, root, log_dir, limited_charges, rate_limit=rate_limit
+        say(
+            f"month start: {limited_charges:,} charges with the fleet limited to "
+            f"{rate_limit:g}/s, {WEBHOOK_FLAVOUR} flavour, a webhook receiver taking its webhooks"
         )
+        stripe = stripe_simulator(log_dir)
+        await asyncio.to_thread(stripe.start)
+        try:
+            result.limited = await produce_and_drain(
+                stack, root, log_dir, limited_charges, rate_limit=rate_limit, webhooks=stripe
+            )
+        finally:
+            await asyncio.to_thread(stripe.child.stop)
         result.limited.pop("bytes_per_charge")
     say(f"month start: steady reconcile, {history:,} charges in history, {new:,} new")
     result.reconcile = await steady_reconcile(stack, root, history, new)
