@@ -199,8 +199,8 @@ LEASE_OUTLIVED = Scenario(
 # timeout, and token waits on top. The lease runs out while the charge still reads, so a
 # redelivery takes it over, looks up (fast: before the first intent lands), finds nothing
 # and charges. Only a lease checked and renewed right before the intent (`before_send`)
-# keeps that takeover from charging a second time; the pipeline of before 5c40fd3 (the
-# lease checked once, for two requests, before the reads) double-charges here.
+# keeps that takeover from charging a second time; a pipeline that checks the lease once,
+# before the reads, double-charges here.
 NEAR_TIMEOUT = LatencyModel(slow_fraction=1.0, slow_min_s=5.2, slow_max_s=5.7)
 LEASE_OUTLIVED_STRIPE = Scenario(
     "lease_outlived_stripe",

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -23,6 +25,7 @@ import pytest
 from charge_worker.errors import Unverified
 from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
+from tests.support.grants import PASSWORD, with_user
 from tests.support.producer import Sub, add_subscriptions
 
 PERIOD = dt.date(2026, 10, 31)
@@ -90,6 +93,20 @@ async def test_later_periods_on_the_anchor_are_verified(verifying: Ledger) -> No
         await verifying.claim(due(billing_period=period), "worker-1", stream_seq=1)
 
 
+async def test_a_month_end_period_of_a_subscription_no_producer_anchored_is_verified(
+    pool: asyncpg.Pool, database_url: str
+) -> None:
+    """No billing_anchor, and a next billing date its own producer clamped to February's
+    end: January's 31st (a late message) is still one of its periods."""
+    await add_subscriptions(
+        database_url, dataclasses.replace(SUB, next_billing_date=dt.date(2027, 2, 28))
+    )
+    ledger = Ledger(pool, lease_s=60, verify_subscription=True)
+    await ledger.claim(due(billing_period=dt.date(2027, 1, 31)), "worker-1", stream_seq=1)
+    with pytest.raises(Unverified):  # a day that is no month's end is still off it
+        await ledger.claim(due(billing_period=dt.date(2027, 1, 30)), "worker-1", stream_seq=2)
+
+
 async def test_an_inactive_subscription_charges_nothing(
     pool: asyncpg.Pool, database_url: str
 ) -> None:
@@ -120,7 +137,26 @@ async def test_a_row_the_producer_scheduled_is_claimed_after_a_price_change(
     assert claim.attempt == 1
 
 
-async def test_off_any_well_formed_message_is_claimed(pool: asyncpg.Pool) -> None:
-    """The default, for a producer of one's own without a `subscriptions` row."""
-    ledger = Ledger(pool, lease_s=60)
-    await ledger.claim(due(order_id=8109, customer_id="cus_anyone"), "worker-1", stream_seq=1)
+async def test_off_any_well_formed_message_is_claimed_without_a_grant_on_subscriptions(
+    pool: asyncpg.Pool, database_url: str
+) -> None:
+    """The default, for a worker role with no grant on `subscriptions`: more claims than it
+    takes PostgreSQL to switch the prepared statement to a generic plan, which checks the
+    privileges of every table the statement names."""
+    role = f"claims_{uuid.uuid4().hex[:8]}"
+    await pool.execute(
+        f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}';"
+        f" GRANT SELECT, INSERT, UPDATE ON charge_attempts TO {role}"
+    )
+    database = urlsplit(database_url).path.lstrip("/")
+    narrow = await asyncpg.create_pool(
+        with_user(database_url, role, database), min_size=1, max_size=1
+    )
+    assert narrow is not None
+    try:
+        ledger = Ledger(narrow, lease_s=60)
+        for order_id in range(8110, 8120):
+            await ledger.claim(due(order_id=order_id, customer_id="cus_anyone"), "w", 1)
+    finally:
+        await narrow.close()
+        await pool.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")

@@ -119,11 +119,13 @@ CASES: dict[str, tuple[Snapshot, Row | None, dict[str, int], type[Decision], str
         Review,
         None,
     ),
-    "a lost answer that says no fingerprint": (
+    # a snapshot without amount, currency or customer (the contract's webhook example):
+    # the lookup after the wait bound proves or refuses it
+    "a lost answer that says no fingerprint waits": (
         snapshot(fingerprint=None),
         PENDING,
         {},
-        Review,
+        Wait,
         None,
     ),
     "a second charge for the key with another fingerprint": (

@@ -29,7 +29,7 @@ from charge_worker.deadline import Deadlines
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
 from charge_worker.http import build_breaker
 from charge_worker.ratelimit import RateLimiter
-from charge_worker.settings import REQUESTS_PER_CHARGE, GatewaySettings
+from charge_worker.settings import GatewaySettings
 
 T = TypeVar("T")
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -45,8 +45,6 @@ class Guarded:
     def __init__(self, cfg: GatewaySettings, *, limiter: RateLimiter | None) -> None:
         self.timeout_s = cfg.gateway_timeout_s
         self.key_prefix = cfg.idempotency_key_prefix  # before every Idempotency-Key sent
-        # the most requests one `charge()` makes (settings.REQUESTS_PER_CHARGE), for the budget
-        self.requests_per_charge = REQUESTS_PER_CHARGE[cfg.kind]
         self.breaker = build_breaker(
             "gateway", fail_max=cfg.gateway_breaker_failures, reset_s=cfg.gateway_breaker_reset_s
         )

@@ -66,9 +66,8 @@ def doubles(captured: list[GatewayCharge], row: LedgerRow | None) -> Doubles:
 def unrecorded(captured: list[GatewayCharge], row: LedgerRow) -> Doubles:
     """For a row the ledger said no to (`SAID_NO`): the charge to record as the key's
     (`keep`, the earliest that matches the row, if any) and those for a person."""
-    matching = [c for c in captured if c.fingerprint == row.fingerprint]
-    others = [c for c in captured if c.fingerprint != row.fingerprint]
-    return Doubles(matching[0] if matching else None, unmatched=others)
+    lookup = split(captured, row)
+    return Doubles(lookup.ours[0] if lookup.ours else None, unmatched=lookup.foreign)
 
 
 @dataclass(frozen=True)

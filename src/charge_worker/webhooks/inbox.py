@@ -157,7 +157,7 @@ _FINISH = """
 UPDATE webhook_inbox
    SET status = $3, outcome = $4, last_error = $5, lease_owner = NULL, updated_at = now(),
        next_attempt_at = now() + make_interval(secs => $6),
-       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'ignored', 'needs_review')
+       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'needs_review')
                           THEN now() END
  WHERE id = $1 AND lease_owner = $2 AND status = 'processing'
 """
@@ -380,7 +380,7 @@ class Inbox:
                 await held.story(key, status_of(decision), outcome, confirmed_status)
         return decision
 
-    async def before_fetch(self, job: Job, owner: str, *, wait_s: float) -> Wait | int:
+    async def revision_or_wait(self, job: Job, owner: str, *, wait_s: float) -> Wait | int:
         """A `Wait`, written as `awaiting_dependency` retried in `wait_s`, when a worker's
         live lease holds the event's open row; otherwise the database's clock (microseconds
         since the epoch), the revision of the re-fetch about to be made."""

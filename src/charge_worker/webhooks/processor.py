@@ -169,11 +169,11 @@ class Processor:
             if self.gateway.webhook_scheme == "stripe":
                 # decided first: under a worker's live lease nothing fetched would change
                 # the wait, and each try would be a request against the account's limit
-                held = await self.inbox.before_fetch(
+                revision = await self.inbox.revision_or_wait(
                     job, self.owner, wait_s=self.tuning.backoff_s(job.attempts)
                 )
-                if isinstance(held, Wait):
-                    self._count(job, held)
+                if isinstance(revision, Wait):
+                    self._count(job, revision)
                     return
                 fetched = await self.gateway.retrieve(job.charge_id)
                 if fetched is None:
@@ -181,7 +181,7 @@ class Processor:
                     await self.inbox.review(job, self.owner, why)
                     self._count(job, Review(why))
                     return
-                job = refetched(job, fetched, revision=held)
+                job = refetched(job, fetched, revision=revision)
             decision = await self._decide(job, fetched)
         except LeaseHeld as error:
             log.warning("webhook.lease_lost", **job.describe(), error=str(error))
@@ -280,7 +280,7 @@ class Processor:
 def refetched(job: Job, charge: GatewayCharge, *, revision: int) -> Job:
     """The job as the re-fetched object says: its state and refund, its key from the
     metadata when the event had none, and `revision`, the fetch's moment by the database's
-    clock (`Inbox.before_fetch`: never a pod's, which may run ahead)."""
+    clock (`Inbox.revision_or_wait`: never a pod's, which may run ahead)."""
     key = job.key
     if key is None and charge.order_id and charge.order_id.isdigit() and charge.billing_period:
         with contextlib.suppress(ValueError):

@@ -263,8 +263,9 @@ def _not_recorded(
     if not row.lease_free:
         return Wait(f"a worker holds the lease on this {row.status} charge", worker_owned=True)
     if row.charge_id is None:  # recording it makes it the period's charge: it must prove so
-        unmatched = _unmatched(event, row)
-        if unmatched is not None:
+        if event.fingerprint is None:  # a bare snapshot: the lookup after the wait proves it
+            return Wait(f"{event.charge_id} does not say its amount, currency and customer")
+        if (unmatched := _unmatched(event, row)) is not None:
             return unmatched
     # a full refund's snapshot is the whole charge: made for this key with this fingerprint
     # (checked above), then refunded; it proves the state before it, nothing is left to wait
@@ -299,8 +300,8 @@ def _other_charge(
             f"a dispute on {event.charge_id}, which the ledger does not record "
             f"(it records {recorded})"
         )
-    if target == "succeeded" and event.fingerprint != row.fingerprint:
-        return _unmatched(event, row) or Review("unreachable")
+    if target == "succeeded" and (unmatched := _unmatched(event, row)) is not None:
+        return unmatched
     if target == "succeeded":
         return Review(
             f"a second successful charge {event.charge_id} for a key the ledger records as "

@@ -256,8 +256,13 @@ class Pipeline:
         return verdict
 
     async def _call_gateway(self, done: Processed, charge: ChargeDue) -> Result:
+        renewing = False
+
         async def before_send() -> None:
+            nonlocal renewing
+            renewing = True
             await self._keep_lease(done, self.gateway.charge_deadline_s)
+            renewing = False
             self.failpoints.hit("before_gateway_call")
             done.called = True
 
@@ -266,9 +271,9 @@ class Pipeline:
                 answer = await self.gateway.charge(
                     charge, traceparent=done.delivery.traceparent, before_send=before_send
                 )
-        except LeaseHeld:
-            raise  # from `before_send`: the lease could not be kept, nothing was sent
         except ChargeWorkerError as error:
+            if renewing:  # the lease could not be kept (or the ledger answer): nothing sent
+                raise
             self._gateway_answered(done, result_of(error).outcome.value)
             if error.outcome == Outcome.REJECTED:
                 done.settlement = Settlement("failed", error=str(error))
