@@ -267,7 +267,7 @@ def dlq() -> None:
     """Inspect and replay the dead letters kept in the dead-letter stream (CHARGES_DLQ).
 
     A dead letter is a charges.due message the worker gave up on, stored byte for byte with
-    Dlq-* headers saying why (contracts/charge-due.md). SEQ is its sequence in the
+    Dlq-* headers saying why (docs/contracts/charge-due.md). SEQ is its sequence in the
     dead-letter stream, as `dlq list` shows it.
     """
 
@@ -378,7 +378,7 @@ def sandbox() -> None:
     "--config", "config_json", help='GatewayConfig as JSON, e.g. \'{"error_rates": {"503": 0.1}}\'.'
 )
 def sandbox_gateway(host: str, port: int, config_json: str | None) -> None:
-    """Serve the payment gateway simulator (contracts/gateway.md)."""
+    """Serve the payment gateway simulator (docs/contracts/gateway.md)."""
     from charge_worker.sandbox.gateway import GatewayConfig, build_gateway_app  # noqa: PLC0415
     from charge_worker.sandbox.serve import serve_forever  # noqa: PLC0415
 
@@ -393,7 +393,7 @@ def sandbox_gateway(host: str, port: int, config_json: str | None) -> None:
 @click.option("--incident", is_flag=True, help="Latency of the incident: p99 1.2 s, 2 % at 6-8 s.")
 @click.option("--config", "config_json", help="ScoringConfig as JSON.")
 def sandbox_scoring(host: str, port: int, incident: bool, config_json: str | None) -> None:
-    """Serve the anti-fraud scoring simulator (contracts/scoring.md)."""
+    """Serve the anti-fraud scoring simulator (docs/contracts/scoring.md)."""
     from charge_worker.sandbox.scoring import ScoringConfig, build_scoring_app  # noqa: PLC0415
     from charge_worker.sandbox.serve import serve_forever  # noqa: PLC0415
 

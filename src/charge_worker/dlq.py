@@ -1,4 +1,4 @@
-"""Dead letters (contracts/charge-due.md): the original body, byte for byte, with headers.
+"""Dead letters (docs/contracts/charge-due.md): the original body, byte for byte, with headers.
 
 A dead letter is published with `Nats-Msg-Id: dlq:<stream seq>` and its publish ack awaited
 before the original is terminated, so it is written once and never lost. The

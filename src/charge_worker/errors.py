@@ -12,7 +12,7 @@ Our exception hierarchy::
     ├── MigrationError ........... a migration cannot be applied (edited, or failed)
     ├── ProvisioningError ........ streams or consumer cannot be created as configured
     ├── PermanentError ........... never retried: dead letter (reason = outcome), then term
-    │   ├── PoisonMessage ........ the message breaks contracts/charge-due.md
+    │   ├── PoisonMessage ........ the message breaks docs/contracts/charge-due.md
     │   ├── PayloadConflict ...... same (order_id, billing_period), other amount/currency/customer
     │   ├── Unverified ........... no subscription says so (CHARGE_WORKER_VERIFY_SUBSCRIPTION)
     │   ├── GatewayRejected ...... the gateway refused the request as invalid

@@ -90,7 +90,7 @@ async def explain_command(
         for charge in at_gateway:
             created = dt.datetime.fromtimestamp(charge["created"], dt.UTC).isoformat()
             money = f"{charge['amount']} {charge['currency']}"
-            # a refunded charge stays `succeeded` at the gateway (contracts/gateway.md)
+            # a refunded charge stays `succeeded` at the gateway (docs/contracts/gateway.md)
             refunded = charge.get("amount_refunded", 0)
             refund = f", refunded {refunded}" if refunded else ""
             _say(f"  {charge['id']}  {charge['status']:<9}  {money}{refund}  created {created}")

@@ -1,4 +1,4 @@
-"""The `charge.due/v1` message (contracts/charge-due.md): parsing, validation, identity."""
+"""The `charge.due/v1` message (docs/contracts/charge-due.md): parsing, validation, identity."""
 
 from __future__ import annotations
 

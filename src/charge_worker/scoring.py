@@ -1,4 +1,4 @@
-"""The anti-fraud scoring client (contracts/scoring.md) and its fallback policy.
+"""The anti-fraud scoring client (docs/contracts/scoring.md) and its fallback policy.
 
 A verdict is `approve` or `block`. Anything else — a timeout of the whole call (2 s by
 default), a non-2xx answer, a malformed body, an open breaker — is a scoring failure, and

@@ -161,7 +161,7 @@ class ScoringSettings(_EnvGroup):
 class GatewaySettings(_EnvGroup):
     """The payment gateway client: which adapter (`GATEWAY_KIND`), where, and how hard."""
 
-    # `contract`: the project's own API (contracts/gateway.md); `stripe`: Stripe's
+    # `contract`: the project's own API (docs/contracts/gateway.md); `stripe`: Stripe's
     kind: GatewayKind = Field("contract", validation_alias=AliasChoices("GATEWAY_KIND", "kind"))
     url: str | None = _alias("GATEWAY_URL", "url")
     api_key: SecretStr | None = _alias("GATEWAY_API_KEY", "api_key")

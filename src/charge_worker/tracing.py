@@ -57,7 +57,7 @@ FLUSH_ON_EXIT_S = 5.0
 
 AttributeValue = str | int | float | bool
 Attributes = dict[str, AttributeValue]
-_W3C = TraceContextTextMapPropagator()  # contracts/charge-due.md: `traceparent` only
+_W3C = TraceContextTextMapPropagator()  # docs/contracts/charge-due.md: `traceparent` only
 _NOTHING: contextlib.nullcontext[Span] = contextlib.nullcontext(INVALID_SPAN)
 
 

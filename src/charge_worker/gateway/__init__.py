@@ -1,7 +1,7 @@
 """The gateway seam: the `Gateway` protocol, its domain results, one adapter per provider.
 
 `build_gateway(settings.gateway)` picks the adapter from `GATEWAY_KIND`: `contract`
-(`contract.py`, contracts/gateway.md; the default) or `stripe` (`stripe.py`). What an
+(`contract.py`, docs/contracts/gateway.md; the default) or `stripe` (`stripe.py`). What an
 adapter must guarantee is in `protocol.py` and docs/adapters.md; "done" is passing
 tests/integration/test_gateway_conformance.py.
 """

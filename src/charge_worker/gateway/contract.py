@@ -1,4 +1,4 @@
-"""The `contract` adapter: the project's own gateway API (contracts/gateway.md).
+"""The `contract` adapter: the project's own gateway API (docs/contracts/gateway.md).
 
 Every answer is classified here, and only here:
 
@@ -176,7 +176,7 @@ class ContractGateway(Guarded):
         raise _classify(response)
 
     async def retrieve(self, charge_id: str) -> GatewayCharge | None:
-        """contracts/gateway.md has no charge by id: its webhooks carry the whole charge at
+        """docs/contracts/gateway.md has no charge by id: its webhooks carry the whole charge at
         a revision (the `standard` scheme), so nothing needs one. Raises `GatewayRejected`."""
         raise GatewayRejected(
             f"contracts/gateway.md has no GET /v1/charges/{{id}} (asked for {charge_id})"

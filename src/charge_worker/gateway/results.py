@@ -46,7 +46,7 @@ class GatewayCharge:
     `status` is `succeeded` (money taken, refunded since or not), `failed` (declined),
     `processing` (accepted, the bank settles it later) or `incomplete` (made nothing and
     will not by itself). A refunded charge keeps `status == "succeeded"`
-    (contracts/gateway.md, "Refunds"): `amount_refunded` and `refunded` show the refund
+    (docs/contracts/gateway.md, "Refunds"): `amount_refunded` and `refunded` show the refund
     (`refunded` is in full: `amount_refunded` is then the amount, whatever was said), and
     `captured` says whether money is still held by it. `currency` is upper case, as
     the ledger spells it.
@@ -93,7 +93,7 @@ class GatewayCharge:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GatewayCharge:
-        """A charge object of contracts/gateway.md."""
+        """A charge object of docs/contracts/gateway.md."""
         metadata = data.get("metadata") or {}
         amount, status = int(data["amount"]), str(data["status"])
         refunded_in_full = status == "refunded"  # the status an older gateway reported

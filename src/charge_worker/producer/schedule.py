@@ -5,7 +5,7 @@ lose nothing and charge nothing twice:
 
 1. lock the batch's due subscriptions (`FOR UPDATE SKIP LOCKED`, so a concurrent run takes
    others) and work out their due periods (the subscription's anchor and interval:
-   `charge_worker.periods`). A subscription that breaks contracts/charge-due.md, or whose
+   `charge_worker.periods`). A subscription that breaks docs/contracts/charge-due.md, or whose
    key is recorded with another amount, currency or customer, is reported and left where
    it is.
 2. publish the charges not recorded yet (`publish.py`), each with `Nats-Msg-Id:

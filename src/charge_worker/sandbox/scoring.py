@@ -1,4 +1,4 @@
-"""An anti-fraud scoring simulator implementing `contracts/scoring.md`.
+"""An anti-fraud scoring simulator implementing `docs/contracts/scoring.md`.
 
 `build_scoring_app(ScoringConfig(...))` returns a Starlette app; its `ScoringSimulator` is
 `app.state.sim`.

@@ -88,7 +88,7 @@ class EventData(_Model):
 
 
 class GatewayEvent(_Model):
-    """A webhook body (contracts/gateway.md)."""
+    """A webhook body (docs/contracts/gateway.md)."""
 
     id: Id
     type: Annotated[str, Field(min_length=1, max_length=100)]

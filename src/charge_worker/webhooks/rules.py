@@ -6,7 +6,7 @@ The event carries a snapshot of one gateway charge object at a `revision`; the l
 is the whole charge, so only the newest one known counts: an older one is stale even when
 it is processed first (the journal holds a newer one, in the same batch or not).
 
-A refunded charge keeps `status: "succeeded"` and says `refunded: true` (contracts/gateway.md);
+A refunded charge keeps `status: "succeeded"` and says `refunded: true` (docs/contracts/gateway.md);
 its state here is `refunded`. The shape from before that contract (`status: "refunded"`) is
 still read the same way: journal rows written before an upgrade, and a gateway not on it yet.
 

@@ -6,7 +6,7 @@
 |            | `webhook-signature: v1,<base64 HMAC of id.t.body>` | the decoded bytes   |
 | `stripe`   | `Stripe-Signature: t=<unix>,v1=<hex HMAC of t.body>` | `whsec_…` as is   |
 
-Standard Webhooks (contracts/gateway.md):
+Standard Webhooks (docs/contracts/gateway.md):
 
 `standardwebhooks` (the scheme's reference implementation) computes and compares them:
 HMAC-SHA256 over `<id>.<timestamp>.<body>`, any of several space-separated `v1,<base64>`

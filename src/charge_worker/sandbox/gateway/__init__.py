@@ -1,4 +1,4 @@
-"""The payment gateway simulator (contracts/gateway.md), for the demo, tests and benchmarks."""
+"""The payment gateway simulator (docs/contracts/gateway.md), for the demo, tests and benchmarks."""
 
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 

@@ -1,4 +1,4 @@
-"""A payment gateway simulator implementing `contracts/gateway.md`, webhooks included.
+"""A payment gateway simulator implementing `docs/contracts/gateway.md`, webhooks included.
 
 `build_gateway_app(GatewayConfig(...))` returns a Starlette app; its state is the
 `GatewaySimulator` at `app.state.sim`, in memory only.
@@ -533,7 +533,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 
 
 def build_gateway_app(config: GatewayConfig | None = None) -> Starlette:
-    """The gateway simulator as an ASGI app, in the configured flavour (contracts/gateway.md,
+    """The gateway simulator as an ASGI app, in the configured flavour (docs/contracts/gateway.md,
     or Stripe's: `stripe.py`); its `GatewaySimulator` is `app.state.sim`."""
     config = config or GatewayConfig()
     if config.flavour == "stripe":

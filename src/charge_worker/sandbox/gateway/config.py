@@ -32,7 +32,7 @@ class GatewayConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # the wire format: contracts/gateway.md, or Stripe's subset (`stripe.py`)
+    # the wire format: docs/contracts/gateway.md, or Stripe's subset (`stripe.py`)
     flavour: Literal["contract", "stripe"] = "contract"
     api_key: str = "sk_test_sandbox"
     latency: LatencyModel = LatencyModel()

@@ -20,7 +20,7 @@ class Charge:
     """One charge the gateway made (or declined: status `failed`).
 
     As Stripe's, a refunded charge keeps `status: "succeeded"`: the refund shows in
-    `amount_refunded` and `refunded` (contracts/gateway.md, "Refunds").
+    `amount_refunded` and `refunded` (docs/contracts/gateway.md, "Refunds").
     """
 
     id: str

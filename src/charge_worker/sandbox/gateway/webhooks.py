@@ -1,4 +1,4 @@
-"""The gateway simulator's webhooks (contracts/gateway.md, "Webhooks the gateway sends").
+"""The gateway simulator's webhooks (docs/contracts/gateway.md, "Webhooks the gateway sends").
 
 Every change of a charge object becomes an event `{"id": "evt_…", "type", "created", "data":
 {"object": <the charge with its revision>}}`, POSTed to `webhook_url` and signed with
