@@ -17,7 +17,7 @@ request's rate-limit token at a `token` gate, and only then the pipeline's `befo
 or is taken over between the worker's last look and its request; time may also pass short
 of expiry (`AWhilePasses`), so that a request may start only after a renewal.
 
-The fake gateway follows contracts/gateway.md: the same Idempotency-Key replays the first
+The fake gateway follows docs/contracts/gateway.md: the same Idempotency-Key replays the first
 answer, unless the gateway keeps no keys at all or has forgotten them, which leaves the
 ledger as the only barrier. A request whose client timed out may still land. Time passes by
 moving `lease_until` into the past, as the ledger's own tests do, and the workers' clock
@@ -141,7 +141,7 @@ def due(order_id: int, month: dt.date, amount_minor: int = 99000) -> ChargeDue:
 
 
 class FakeGateway:
-    """contracts/gateway.md in memory: every charge it made, and its idempotency store."""
+    """docs/contracts/gateway.md in memory: every charge it made, and its idempotency store."""
 
     def __init__(self) -> None:
         self.idempotent = True

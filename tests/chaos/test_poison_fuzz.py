@@ -1,6 +1,6 @@
 """Poison fuzzing: `messages.parse` under hostile bodies, then a real worker fed a batch of them.
 
-The contract (contracts/charge-due.md): a body either parses into a charge whose every field
+The contract (docs/contracts/charge-due.md): a body either parses into a charge whose every field
 keeps its rule, or it is poison with a reason; nothing else may come out of `parse`. End to
 end, every poison body is dead-lettered once, byte for byte, and only valid charges are made.
 """

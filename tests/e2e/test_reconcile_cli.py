@@ -105,7 +105,7 @@ async def succeeded_row(conn: asyncpg.Connection, order_id: int, charge_id: str)
 
 async def charges(gateway_url: str) -> dict[str, str]:
     """Each charge at the gateway: `succeeded`, `failed`, or `refunded` (a succeeded charge
-    whose money went back: contracts/gateway.md, "Refunds")."""
+    whose money went back: docs/contracts/gateway.md, "Refunds")."""
     async with httpx.AsyncClient() as client:
         data = (await client.get(f"{gateway_url}/_sim/charges")).json()["data"]
     return {c["id"]: "refunded" if c.get("refunded") else c["status"] for c in data}

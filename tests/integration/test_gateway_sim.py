@@ -1,4 +1,4 @@
-"""The gateway simulator over real HTTP: every answer of contracts/gateway.md."""
+"""The gateway simulator over real HTTP: every answer of docs/contracts/gateway.md."""
 
 from __future__ import annotations
 
@@ -486,7 +486,7 @@ async def test_a_refund_succeeds_and_replays(client: httpx.AsyncClient) -> None:
 async def test_a_refunded_charge_stays_succeeded_and_shows_its_refund_everywhere(
     client: httpx.AsyncClient,
 ) -> None:
-    """contracts/gateway.md, "Refunds": as Stripe's, a refunded charge keeps `status:
+    """docs/contracts/gateway.md, "Refunds": as Stripe's, a refunded charge keeps `status:
     "succeeded"`; `amount_refunded` and `refunded` show the refund, in every answer."""
     kept = (await charge(client, charge_body("1"))).json()
     refunded = (await charge(client, charge_body("2"))).json()

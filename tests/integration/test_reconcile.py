@@ -134,7 +134,7 @@ async def sim(gateway_url: str, path: str) -> Any:
 
 async def charge_statuses(gateway_url: str) -> dict[str, str]:
     """Each charge at the gateway: `succeeded`, `failed`, or `refunded` (a succeeded charge
-    whose money went back: contracts/gateway.md, "Refunds")."""
+    whose money went back: docs/contracts/gateway.md, "Refunds")."""
     data = (await sim(gateway_url, "/_sim/charges"))["data"]
     return {c["id"]: "refunded" if c["refunded"] else c["status"] for c in data}
 
@@ -202,7 +202,7 @@ async def test_forced_double_charge_refunds_exactly_the_extra_one(
 async def test_the_run_after_a_refund_finds_no_double_and_refunds_nothing(
     settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp, tmp_path: Path
 ) -> None:
-    """A refunded charge keeps `status: "succeeded"` (contracts/gateway.md, "Refunds"): only
+    """A refunded charge keeps `status: "succeeded"` (docs/contracts/gateway.md, "Refunds"): only
     charges with money still captured make a double, so the run after the refund, and the
     one after a refund someone made by hand, find none and write no `refund` event."""
     await set_sim(gateway_sim.url, idempotency_enabled=False)

@@ -1,4 +1,4 @@
-"""The scoring simulator over real HTTP: contracts/scoring.md and its failure knobs."""
+"""The scoring simulator over real HTTP: docs/contracts/scoring.md and its failure knobs."""
 
 from __future__ import annotations
 

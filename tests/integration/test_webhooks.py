@@ -95,7 +95,7 @@ async def test_the_same_event_three_times_changes_the_ledger_once(
 async def test_a_refund_is_recorded_from_either_shape_of_the_charge(
     legacy: bool, receiver: Receiver, db: asyncpg.Connection
 ) -> None:
-    # contracts/gateway.md: a refunded charge keeps status succeeded, `refunded` says it
+    # docs/contracts/gateway.md: a refunded charge keeps status succeeded, `refunded` says it
     await add_row(db, 20, "succeeded", charge_id="ch_20")
     refund = event("ch_20", "charge.refunded", revision=2, order_id=20, legacy=legacy)
 

@@ -54,7 +54,8 @@ async def sim_done(gateway_url: str, deliveries: int) -> bool:
 
 
 def state(charge: dict[str, Any]) -> str:
-    """A simulator charge's state: a refunded one keeps status succeeded (contracts/gateway.md)."""
+    """A simulator charge's state: a refunded one keeps status succeeded
+    (docs/contracts/gateway.md)."""
     return state_of(charge["status"], refunded=charge.get("refunded") is True)
 
 

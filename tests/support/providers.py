@@ -1,7 +1,7 @@
 """A payment provider's simulator over real HTTP and the adapter that speaks its wire
 format: what the conformance suite, the integration tests and the chaos suite share.
 
-`flavour` is the simulator's wire format (`contract`: contracts/gateway.md; `stripe`:
+`flavour` is the simulator's wire format (`contract`: docs/contracts/gateway.md; `stripe`:
 Stripe's subset), which is also the `GATEWAY_KIND` whose adapter speaks it. The simulator
 injects the faults (`configure`): lost answers, 5xx, 429, latency, idempotency off.
 """

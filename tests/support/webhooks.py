@@ -84,7 +84,7 @@ def event(
     """A gateway event about `charge_id`; the status follows the type unless given.
 
     A refunded charge keeps `status: "succeeded"` with `refunded: true` and
-    `amount_refunded` (contracts/gateway.md); `legacy` makes the shape from before that
+    `amount_refunded` (docs/contracts/gateway.md); `legacy` makes the shape from before that
     contract change (`status: "refunded"`, neither field)."""
     refunded = kind == "charge.refunded"
     default = "failed" if kind == "charge.failed" else "succeeded"

@@ -128,7 +128,7 @@ NOT_ACCEPTED = [
 async def test_any_other_4xx_is_not_accepted_never_a_final_rejection(
     status: int, body: object
 ) -> None:
-    """contracts/gateway.md: only 400/422 with the contract's error body (invalid request,
+    """docs/contracts/gateway.md: only 400/422 with the contract's error body (invalid request,
     idempotency) are final; any other 4xx, or those without it, mean "not accepted,
     nothing charged, try later" and count toward the breaker."""
     gw = client(answer(status, body), gateway_breaker_failures=2, gateway_breaker_reset_s=60)
@@ -237,7 +237,7 @@ async def test_an_already_refunded_answer_without_a_type_is_done() -> None:
 
 
 async def test_a_charge_shows_its_refund_and_whether_money_is_still_captured() -> None:
-    """contracts/gateway.md, "Refunds": a refunded charge keeps `status: "succeeded"`."""
+    """docs/contracts/gateway.md, "Refunds": a refunded charge keeps `status: "succeeded"`."""
     meta = {"order_id": "48291", "billing_period": "2026-09-01"}
     refunded = {**OK, "id": "ch_r", "metadata": meta, "amount_refunded": 99000, "refunded": True}
     partly = {**OK, "id": "ch_p", "metadata": meta, "amount_refunded": 1000, "refunded": False}

@@ -1,13 +1,13 @@
 """Every repository file a doc, a docstring or a comment cites ships in the repository.
 
 Scanned: README.md, docs/**/*.md, helm/charge-worker/README.md, and the docstrings and
-comments of src/**/*.py. A citation is a path from the repository's root (`docs/cli.md`,
-`tests/unit/test_links.py`, `src/charge_worker/dlq.py`, `contracts/gateway.md`), a path
-out of it (`../shared/...`: a user who clones the repository has no such file), or a
-relative Markdown link (`[the runbook](runbook.md)`, from the file's own folder). Paths
-with a placeholder or a wildcard (`<id>`, `{kind}`, `*`, `NNNN`) name no one file, and a
-path git ignores is an output a command writes (`benchmarks/results/latest.json`): neither
-is checked.
+comments of src/, tests/ and benchmarks/ (**/*.py). A citation is a path from the
+repository's root (`docs/runbook.md`, `tests/unit/test_links.py`, `src/charge_worker/dlq.py`;
+the old `contracts/<name>.md` was one that failed), a path out of it (`../shared/...`: a
+user who clones the repository has no such file), or a relative Markdown link (`[the
+runbook](runbook.md)`, from the file's own folder). Paths with a placeholder or a wildcard
+(`<id>`, `{kind}`, `*`, `NNNN`) name no one file, and a path git ignores is an output a
+command writes (`benchmarks/results/latest.json`): neither is checked.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 ROOTS = "benchmarks|config|contracts|deploy|docs|helm|migrations|requirements|src|tests"
-# A path from the root: not the tail of a longer path (`docs/contracts/x.md` is not a
-# citation of `contracts/x.md`), ending in a file name with an extension.
+# A path from the root, not the tail of a longer path (`docs/contracts/<name>.md` does not
+# cite `contracts/<name>.md`), ending in a file name with an extension.
 CITED = re.compile(rf"(?<![\w./-])((?:\.\./)*(?:{ROOTS}|shared)/[\w./-]*\w\.[a-z]{{1,5}})\b")
 MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 NOT_ONE_FILE = re.compile(r"[<>{}*]|\b([A-Z])\1{2,}")
@@ -34,7 +34,8 @@ NOT_ONE_FILE = re.compile(r"[<>{}*]|\b([A-Z])\1{2,}")
 def sources() -> list[Path]:
     found = [ROOT / "README.md", ROOT / "helm" / "charge-worker" / "README.md"]
     found += sorted((ROOT / "docs").rglob("*.md"))
-    found += sorted((ROOT / "src").rglob("*.py"))
+    for folder in ("src", "tests", "benchmarks"):
+        found += sorted((ROOT / folder).rglob("*.py"))
     return [path for path in found if path.is_file()]
 
 
