@@ -30,7 +30,7 @@ from tests.support.harness import (
     settings_for,
 )
 
-FAST = {"gateway_timeout_s": 1.0, "lease_s": 6.0, "ack_wait_s": 2.0, "backoff_s": (2.0, 4.0)}
+FAST = {"gateway_timeout_s": 1.0, "lease_s": 7.0, "ack_wait_s": 2.0, "backoff_s": (2.0, 4.0)}
 
 
 @pytest.fixture

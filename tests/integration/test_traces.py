@@ -376,8 +376,17 @@ async def test_a_duplicate_delivery_s_refused_claim_is_no_error(
     settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
     js = await provisioned(nc, settings)
     subject = settings.nats.subject
+
+    async def charged() -> bool:
+        async with connected(database_url) as conn:
+            status = await conn.fetchval("SELECT status FROM charge_attempts WHERE order_id = 1")
+        return bool(status == "succeeded")
+
     async with running_worker(settings):
         await js.publish(subject, due(1), headers={"Nats-Msg-Id": "copy:1"})
+        # settled in the ledger first: an idle consumer alone was once seen before the
+        # first delivery's settle, and the copy then met its lease instead
+        await eventually(charged, "the charge settled")
         await eventually(lambda: consumer_idle(nc, settings.nats), "the charge acked")
         await js.publish(subject, due(1), headers={"Nats-Msg-Id": "copy:2", "traceparent": OUTSIDE})
         await eventually(

@@ -34,7 +34,7 @@ from tests.support.harness import (
 )
 
 # Short timeouts so a lease (gateway timeout + 5 s) and the retries after it stay short.
-FAST = {"gateway_timeout_s": 1.0, "lease_s": 6.0, "gateway_breaker_reset_s": 1.0}
+FAST = {"gateway_timeout_s": 1.0, "lease_s": 7.0, "gateway_breaker_reset_s": 1.0}
 
 
 async def all_settled(database_url: str, count: int) -> bool:
