@@ -1,8 +1,8 @@
-"""Every command, as a process, with exactly the database grants the README gives.
+"""Every command, as a process, with exactly the database grants docs/deploying.md gives.
 
-The README's SQL block is run as written (tests/support/grants.py): `migrate` as the schema
-owner, then `produce`, `run`, `webhooks`, `reconcile`, `explain` and `dlq` as the worker
-role. Each must do its work; then a grant taken away turns `/readyz` of `run` and
+Its SQL block ("PostgreSQL roles") is run as written (tests/support/grants.py): `migrate`
+as the schema owner, then `produce`, `run`, `webhooks`, `reconcile`, `explain` and `dlq` as
+the worker role. Each must do its work; then a grant taken away turns `/readyz` of `run` and
 `webhooks` to 503, naming the table.
 """
 

@@ -1,8 +1,8 @@
-"""The README's three PostgreSQL roles, set up from the README itself.
+"""The three PostgreSQL roles of docs/deploying.md, set up from that page itself.
 
-The SQL block of the README's "Deploying" section is read and run as written, section by
+The SQL block of its "PostgreSQL roles" section is read and run as written, section by
 section (`-- as a superuser:`, `-- as a superuser, in billing:`, `-- as charge_owner, in
-billing, after ...`), so the README and the tests cannot drift. Only the names change: each
+billing, after ...`), so the page and the tests cannot drift. Only the names change: each
 set-up gets roles and a database of its own (roles are global to the server), and the
 placeholder passwords a real one.
 """
@@ -18,16 +18,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-README = Path(__file__).parents[2] / "README.md"
+DEPLOYING = Path(__file__).parents[2] / "docs" / "deploying.md"
 PASSWORD = "grants-test-password"
 
 
-def readme_sql() -> str:
-    """The SQL block of the README's PostgreSQL paragraph."""
-    text = README.read_text()
-    after = text[text.index("**PostgreSQL.**") :]
+def documented_sql() -> str:
+    """The SQL block of docs/deploying.md's "PostgreSQL roles" section."""
+    text = DEPLOYING.read_text()
+    after = text[text.index("## PostgreSQL roles") :]
     match = re.search(r"```sql\n(.*?)```", after, flags=re.DOTALL)
-    assert match, "the README's PostgreSQL paragraph has no ```sql block"
+    assert match, "docs/deploying.md's PostgreSQL roles section has no ```sql block"
     return match.group(1)
 
 
@@ -64,7 +64,7 @@ def with_user(url: str, user: str, database: str) -> str:
 
 @dataclass(frozen=True)
 class Roles:
-    """The README's set-up on one server: who is who, and where."""
+    """The documented set-up on one server: who is who, and where."""
 
     admin_url: str
     owner: str
@@ -92,7 +92,7 @@ class Roles:
         return urlunsplit(parts._replace(path=f"/{self.database}"))
 
     def named(self, statement: str) -> str:
-        """A README statement with this set-up's names and password."""
+        """A documented statement with this set-up's names and password."""
         for generic, mine in (
             ("charge_owner", self.owner),
             ("charge_worker", self.worker),
@@ -103,16 +103,16 @@ class Roles:
         return statement.replace("'…'", f"'{PASSWORD}'")
 
     async def run(self, who: str, url: str) -> None:
-        """Run one README section as written (renamed), one statement at a time."""
+        """Run one documented section as written (renamed), one statement at a time."""
         conn = await asyncpg.connect(url)
         try:
-            for statement in sections(readme_sql())[who]:
+            for statement in sections(documented_sql())[who]:
                 await conn.execute(self.named(statement))
         finally:
             await conn.close()
 
     async def as_owner(self, sql: str) -> None:
-        """Run `sql` (README names) as the schema owner, e.g. to revoke one grant."""
+        """Run `sql` (documented names) as the schema owner, e.g. to revoke one grant."""
         conn = await asyncpg.connect(self.owner_url)
         try:
             await conn.execute(self.named(sql))
@@ -130,7 +130,7 @@ class Roles:
 
 
 async def readme_roles(admin_url: str, migrate: Callable[[str], Awaitable[None]]) -> Roles:
-    """The README's roles and database, set up as it says: the superuser's sections, then
+    """The documented roles and database, set up as it says: the superuser's sections, then
     `migrate(owner_url)` (charge-worker migrate as the owner), then the owner's grants."""
     uid = uuid.uuid4().hex[:8]
     roles = Roles(
