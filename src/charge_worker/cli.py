@@ -57,7 +57,7 @@ def main() -> None:
 
     Settings come from the environment (then an optional .env): NATS_URL, DATABASE_URL,
     GATEWAY_URL, GATEWAY_API_KEY, SCORING_URL and CHARGE_WORKER_*; traces from the
-    standard OTEL_* variables (environment only); see the README.
+    standard OTEL_* variables (environment only); see docs/configuration.md.
     """
 
 

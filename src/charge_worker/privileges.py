@@ -2,12 +2,13 @@
 
 Every command but `migrate` and `maintain` runs as a least-privilege role (`DATABASE_URL`):
 `webhooks`, the internet-facing receiver, as a role of its own granted exactly `WEBHOOKS`;
-the others as the worker role, granted exactly what the other lists name. The README's
-"Deploying" section has the GRANT statements, and nothing more. A grant left
-out does not stop a command from starting: it fails the first statement that needs it,
-which may be deep into a run (a delivery journaled by nobody, a refund made but not
-recorded). So the long-running commands check in `/readyz` (`not_granted`, which names the
-table) and a CronJob at its start (`require`, one line naming the privilege).
+the others as the worker role, granted exactly what the other lists name. The
+"PostgreSQL roles" section of docs/deploying.md has the GRANT statements, and nothing
+more. A grant left out does not stop a command from starting: it fails the first
+statement that needs it, which may be deep into a run (a delivery journaled by nobody, a
+refund made but not recorded). So the long-running commands check in `/readyz`
+(`not_granted`, which names the table) and a CronJob at its start (`require`, one line
+naming the privilege).
 
 A table that does not exist yet (the migrations have not run) counts as missing.
 """
@@ -157,5 +158,5 @@ async def require(db: asyncpg.Pool | asyncpg.Connection, needs: Needs) -> None:
     if lacking:
         raise SettingsError(
             f"DATABASE_URL: the role lacks {'; '.join(lacking)}, which `{needs.command}` "
-            "needs (the README's Deploying section lists the grants)"
+            'needs (docs/deploying.md, "PostgreSQL roles", lists the grants)'
         )

@@ -2,8 +2,9 @@
 
 Run daily as the schema owner (it makes and drops tables): `charge_events` gets a monthly
 partition for each of the next `MONTHS_AHEAD` months, and loses the partitions wholly
-older than `CHARGE_WORKER_EVENTS_RETENTION_MONTHS`. The ledger itself is kept (see the
-README's sizing); the streams and the webhook journal have retentions of their own.
+older than `CHARGE_WORKER_EVENTS_RETENTION_MONTHS`. The ledger itself is kept (see
+docs/deploying.md, "What each store keeps"); the streams and the webhook journal have
+retentions of their own.
 """
 
 from __future__ import annotations
