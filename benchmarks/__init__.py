@@ -14,5 +14,5 @@ each case several times (median, min, max):
 plus a cProfile of each at saturation (`profiling.py`). It prints a table, the ratios
 against the targets (MET / MISSED), and writes `benchmarks/results/latest.json`.
 How one sample is measured: `drain.py`; statistics: `stats.py`. Results and the reading of
-them: `docs/performance.md`.
+them: `docs/benchmarks.md`.
 """

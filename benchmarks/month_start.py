@@ -8,7 +8,7 @@ Three parts, each on a fresh database and streams:
    for the same subscriptions, settled and reconciled, and the planner has statistics
    (`VACUUM ANALYZE`, as autovacuum keeps them). A freshly loaded table without
    statistics, or an empty ledger's, plans the producer's statements for a state no
-   month start has (docs/performance.md, "Month start");
+   month start has (docs/benchmarks.md, "Month start");
 2. **drain**: two `charge-worker run` processes drain the backlog while `charge-worker
    reconcile` runs on a short schedule with a short quiet time: no message still queued
    may be re-published; then what each store holds per charge. With `rate_limit`, the

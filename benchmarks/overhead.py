@@ -8,7 +8,7 @@ pipelines fetch and ack alike).
 
 A diagnosis, not a target: `make bench` measures the real thing, each consumer in its own
 process. On a shared VM whose speed drifts by a third from one minute to the next, the full
-bench's ratio drifts with it (docs/performance.md). Here the median of the per-pair ratios
+bench's ratio drifts with it (docs/benchmarks.md). Here the median of the per-pair ratios
 holds to about 0.01 from run to run, so a change to the worker's own code can be measured in
 minutes: run this on each tree, alternately,
 
