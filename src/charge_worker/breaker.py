@@ -10,10 +10,10 @@ run of failures. A cancelled call (the worker stopping) proves nothing either wa
 changes nothing. The error of a call is always raised as it was, the one that trips the
 breaker included, so its classification survives.
 
-A call is `with breaker: await ...`. This replaced pybreaker, whose `calling()` cost
-~3.6 us per call on the hot path (two calls per charge: a generator context manager, a
-lock, listener loops and datetime arithmetic, for an event loop that needs none of them),
-and which had no public way to tell how long it stays open.
+A call is `with breaker: await ...`. This replaced pybreaker, whose `calling()` is a
+generator context manager with a lock, listener loops and datetime arithmetic on every call,
+twice per charge, for an event loop that needs none of them, and which had no public way to
+tell how long it stays open.
 """
 
 from __future__ import annotations

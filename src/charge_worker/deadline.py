@@ -1,12 +1,12 @@
 """Hard deadlines for many concurrent calls, on one loop timer.
 
-`asyncio.timeout` arms a timer of the loop for every call and disarms it after: a timer
-handle, a libuv timer, its cancel and its release, and three `getpid` system calls (CPython
-3.11 checks the process of the running loop on every look-up); about 4 us a call on uvloop,
-two calls per charge. A `Deadlines` keeps the calls under way instead, and one timer checks
-them every `resolution_s` while there are any: a call is cancelled up to `resolution_s`
-after its deadline, and `within()` then raises `TimeoutError`, as `asyncio.timeout` does (a
-cancellation from elsewhere stays a `CancelledError`). It remembers the loop it last ran on
+`asyncio.timeout` arms a timer of the loop for every call and disarms it after, and on
+CPython 3.11 each look-up of the running loop costs a system call: work on every call, two
+calls per charge, for deadlines of seconds that need no timer of their own. A `Deadlines`
+keeps the calls under way instead, and one timer checks them every `resolution_s` while
+there are any: a call is cancelled up to `resolution_s` after its deadline, and `within()`
+then raises `TimeoutError`, as `asyncio.timeout` does (a cancellation from elsewhere stays a
+`CancelledError`). It remembers the loop it last ran on
 and asks for the running one only when that loop has no task running: a client's calls
 are made from one thread.
 """

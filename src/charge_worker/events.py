@@ -28,8 +28,9 @@ with it.
 
 The producer's two steps are not rows here: the ledger row already says them (`created_at`
 for a row scheduled, `published_at` once its message is stored), and at month start two
-event rows per charge were a fifth of the database's work. `story` tells them from the row,
-in the words earlier versions wrote (their rows, where they exist, are told as written).
+more event rows per charge would be a large share of the database's work. `story` tells
+them from the row, in the words earlier versions wrote (their rows, where they exist, are
+told as written).
 A row is `scheduled` by the producer when it was published or is still `scheduled`; a row a
 worker created from a message published by someone else has neither.
 """

@@ -8,8 +8,8 @@ taken from in one statement.
 
 The bucket holds only `BURST_S` worth of tokens (at least one): in any second the fleet
 sends at most the rate plus that, so a provider's own one-second bucket never runs dry
-(a bucket of one second's worth let a lull be followed by twice the rate: measured, 421
-requests in one second at a limit of 200, and 429s). A gateway request spends one token
+(a bucket of one second's worth lets a lull be followed by up to twice the rate in one
+second, which a provider answers with 429s). A gateway request spends one token
 (`spend`); the waiting requests of a process queue behind one lock, and the one in front
 takes a batch for those queued (never more than the bucket holds), or sleeps for the time
 a batch takes to refill. While a request of the process waits, `reserve` lets the consumer

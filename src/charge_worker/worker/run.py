@@ -139,9 +139,8 @@ async def run_command(settings: Settings) -> int:
     """`charge-worker run`: until SIGTERM or SIGINT; 0 after a clean stop.
 
     What is loaded by now (modules, validators, settings) lives as long as the process:
-    frozen out of the collector's sight, a full collection no longer walks it for every
-    few thousand objects a stream of charges allocates (5 % of the worker's CPU at
-    saturation, py-spy)."""
+    frozen out of the collector's sight, so a full collection, which a stream of charges
+    triggers every few thousand objects, walks only what the charges allocated."""
     gc.freeze()
     stop = asyncio.Event()
     with event_loop.stop_on_signals(stop):
