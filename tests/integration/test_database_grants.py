@@ -1,6 +1,7 @@
-"""The database grants of docs/deploying.md, set up exactly as written: every long-running command works
-with them, and its `/readyz` fails naming the table when one is missing. The internet-facing
-webhook receiver has a role of its own, holding exactly what `privileges.WEBHOOKS` names.
+"""The database grants of docs/deploying.md, set up exactly as written: every long-running
+command works with them, and its `/readyz` fails naming the table when one is missing. The
+internet-facing webhook receiver has a role of its own, holding exactly what
+`privileges.WEBHOOKS` names.
 
 The roles come from that page's own SQL (tests/support/grants.py); the test server is the
 embedded PostgreSQL, where the suite connects as a superuser.
