@@ -101,7 +101,11 @@ async def main(argv: list[str]) -> int:
     if args.nats_cluster == 3:
         chosen = [s if s.shape != "single" else replace(s, shape="cluster") for s in chosen]
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos: {len(chosen)} scenario(s), {args.size} keys each, seed {args.seed}", flush=True)
+    print(
+        f"chaos: {len(chosen)} scenario(s), {args.size} keys each (fewer where a scenario"
+        f" says so), seed {args.seed}",
+        flush=True,
+    )
     print(_line([name for name, _ in COLUMNS]), flush=True)
     print(_line(["-" * max(w, len(name)) for name, w in COLUMNS]), flush=True)
     rows, failed = [], 0
@@ -109,8 +113,9 @@ async def main(argv: list[str]) -> int:
     try:
         for scenario in chosen:
             with pool.lend(scenario.shape, fresh=scenario.fresh_servers) as servers:
+                size = min(args.size, scenario.max_size or args.size)
                 result = await run_scenario(
-                    servers, scenario, size=args.size, seed=args.seed, root=args.out / scenario.name
+                    servers, scenario, size=size, seed=args.seed, root=args.out / scenario.name
                 )
             (args.out / f"{scenario.name}.txt").write_text(result.report() + "\n")
             print(_line(_cells(result)), flush=True)

@@ -41,7 +41,12 @@ async def test_a_last_delivery_that_died_requeues_an_open_charge_then_dead_lette
     scoring_sim: ServedApp,
 ) -> None:
     """The MAX_DELIVERIES advisory: a death is no verdict; the third copy to run out is."""
-    settings = settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
+    # the worker's own naks wait 2 min (the lease held elsewhere, clamped to the last step):
+    # its deliveries must not run out (and requeue a copy of their own) while the test
+    # plays JetStream's advisories, as they once did on a loaded machine
+    settings = settings_for(
+        nats_settings, database_url, gateway_sim.url, scoring_sim.url, backoff_s=(5.0, 120.0)
+    )
     js = await provisioned(nc, settings)
     cfg = settings.nats
     db = await asyncpg.connect(database_url)
