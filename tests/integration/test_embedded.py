@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import asyncpg
 import nats
@@ -88,22 +88,29 @@ async def test_a_three_node_cluster_elects_a_new_stream_leader_when_one_is_kille
             await js.add_stream(
                 StreamConfig(name="R3", subjects=["r3.>"], storage=StorageType.FILE, num_replicas=3)
             )
-            await js.publish("r3.a", b"1")
+
+            def published(payload: bytes) -> Callable[[], Awaitable[bool]]:
+                async def once() -> bool:
+                    try:
+                        # a retried publish whose ack was lost is dropped as a duplicate
+                        msg_id = {"Nats-Msg-Id": payload.decode()}
+                        await js.publish("r3.a", payload, timeout=1, headers=msg_id)
+                    except (nats.errors.Error, TimeoutError):
+                        return False
+                    return True
+
+                return once
+
+            # a new R3 stream answers once its first leader is elected: on a loaded
+            # machine, after the add_stream call has returned
+            await eventually(published(b"1"), "a publish to the new stream")
             info = await js.stream_info("R3")
             assert info.cluster is not None
             leader = info.cluster.leader
             assert leader in cluster.nodes
             assert len(info.cluster.replicas or []) == 2
             cluster.kill(str(leader))
-
-            async def published() -> bool:
-                try:
-                    await js.publish("r3.a", b"2", timeout=1)
-                except (nats.errors.Error, TimeoutError):
-                    return False
-                return True
-
-            await eventually(published, "a publish after the election")
+            await eventually(published(b"2"), "a publish after the election")
             new = (await js.stream_info("R3")).cluster
             assert new is not None
             assert new.leader not in (None, leader)
