@@ -12,7 +12,6 @@ with such a charge; the ledger is the real PostgreSQL one.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -42,14 +41,6 @@ CHARGE = ChargeDue.model_validate(
     strict=False,
 )
 METADATA = {"order_id": "7101", "billing_period": "2026-12-01"}
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    created = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
-    assert created is not None
-    yield created
-    await created.close()
 
 
 async def an_answer_was_lost(pool: asyncpg.Pool) -> None:

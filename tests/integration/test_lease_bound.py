@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 from pydantic import SecretStr
 
 from charge_worker.gateway import Gateway
@@ -57,14 +56,6 @@ SELECT extract(epoch FROM lease_until - clock_timestamp())
 """
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    created = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
-    assert created is not None
-    yield created
-    await created.close()
 
 
 class LeaseAtCharge:

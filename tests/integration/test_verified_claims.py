@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,14 +43,6 @@ def due(**fields: Any) -> ChargeDue:
         "due_at": dt.datetime(2026, 10, 31, tzinfo=dt.UTC),
     }
     return ChargeDue.model_validate(body | fields, strict=False)
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    created = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
-    assert created is not None
-    yield created
-    await created.close()
 
 
 @pytest.fixture
