@@ -63,7 +63,7 @@ class Advisories:
             exhausted=exhausted,
             verdict=verdict,
         )
-        self.metrics.exhausted.inc(verdict)
+        self.metrics.exhausted.labels(verdict).inc()
         if verdict == "requeue":
             copy = headers | {EXHAUSTED_HEADER: str(exhausted + 1)}
             copy_seq = await self.dead_letters.requeue(body, copy, from_seq=seq)
@@ -79,7 +79,7 @@ class Advisories:
                 num_delivered=int(str(event.get("deliveries", 0))),
                 original=stored.headers,
             )
-            self.metrics.dead_letters.inc("max_deliveries")
+            self.metrics.dead_letters.labels("max_deliveries").inc()
 
 
 def _count(header: str | None) -> int:

@@ -222,19 +222,19 @@ class Consumer:
             # a requeue left undone is picked up by the advisory and by reconcile
             log.error("dlq.write_failed", action=describe(action)["action"], error=str(error))
             return Nak(self.settings.nats.ack_wait_s)
-        self.metrics.dead_letters.inc(action.reason)
+        self.metrics.dead_letters.labels(action.reason).inc()
         return action
 
     def _account(
         self, delivery: Delivery, processed: Processed, action: Action, seconds: float
     ) -> None:
         outcome, described = processed.result.outcome, describe(action)
-        self.metrics.messages.inc(outcome.value, str(described["action"]))
+        self.metrics.messages.labels(outcome.value, str(described["action"])).inc()
         self.metrics.processing.observe(seconds)
         if outcome is Outcome.DUPLICATE:
             self.metrics.duplicates.inc()
         if outcome in (Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED):
-            self.metrics.charges.inc(outcome.value)
+            self.metrics.charges.labels(outcome.value).inc()
         charge = processed.charge
         log.info(
             "charge.settled",

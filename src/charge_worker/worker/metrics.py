@@ -4,112 +4,25 @@ Label values come from the same enums as the decisions. Redeliveries are counted
 worker (`num_delivered > 1`) as a counter: the server's `num_redelivered` is a gauge that
 goes down, so `increase()` over it lies. The registry also carries the process and runtime
 collectors (`process_*`, `python_gc_*`, `python_info`) the client's default registry has.
-
-What every delivery counts (the labelled counters, the processing time) is kept in plain
-integers by `Tally` and `Timings` and turned into samples when the registry is read:
-prometheus_client's `Counter` and `Histogram` take a lock and make three calls or more on
-every update, five times per charge. The exposition is the same, `_created` included.
+Every figure is a stock prometheus_client class, updated through its public calls
+(`.labels(...).inc()`, `.observe()`), as the webhook receiver's are.
 """
 
 from __future__ import annotations
-
-import bisect
-import time
-from collections.abc import Sequence
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     GCCollector,
+    Histogram,
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
 from charge_worker.breaker import Breaker
 
 PREFIX = "charge_worker"
-
-
-class Tally:
-    """A labelled counter counted by one event loop; a scrape from another thread reads a
-    copy. Exposed as prometheus_client's `Counter` would expose it."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str],
-        *,
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
-        self.counts: dict[tuple[str, ...], int] = {}
-        self.created: dict[tuple[str, ...], float] = {}
-        registry.register(self)
-
-    def inc(self, *labels: str) -> None:
-        """Count one for these label values (as many as the label names)."""
-        counts = self.counts
-        if labels in counts:
-            counts[labels] += 1
-            return
-        if len(labels) != len(self.labelnames):
-            raise ValueError(f"{self.name}: labels {self.labelnames}, got {labels}")
-        self.created[labels] = time.time()
-        counts[labels] = 1
-
-    def describe(self) -> list[Metric]:
-        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
-
-    def collect(self) -> list[Metric]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in list(self.counts.items()):
-            family.add_metric(labels, value, created=self.created[labels])
-        return [family]
-
-
-class Timings:
-    """A histogram without labels, observed by one event loop; exposed as
-    prometheus_client's `Histogram` would expose it."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        *,
-        buckets: Sequence[float],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name, self.documentation = name, documentation
-        self.bounds = sorted(buckets)
-        # the `le` label as prometheus_client writes it ("0.01", "1.0", "+Inf")
-        self.le = [floatToGoString(b) for b in [*self.bounds, float("inf")]]  # type: ignore[no-untyped-call]
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound
-        self.sum = 0.0
-        self.created = time.time()
-        registry.register(self)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def describe(self) -> list[Metric]:
-        return [HistogramMetricFamily(self.name, self.documentation)]
-
-    def collect(self) -> list[Metric]:
-        counts, total = list(self.counts), self.sum
-        buckets, cumulative = [], 0
-        for le, count in zip(self.le, counts, strict=True):
-            cumulative += count
-            buckets.append((le, float(cumulative)))
-        family = HistogramMetricFamily(self.name, self.documentation)
-        family.add_metric([], buckets, total)
-        family.samples.append(Sample(f"{self.name}_created", {}, self.created))
-        return [family]
 
 
 class Metrics:
@@ -120,7 +33,7 @@ class Metrics:
         ProcessCollector(registry=registry)
         GCCollector(registry=registry)
         PlatformCollector(registry=registry)
-        self.messages = Tally(
+        self.messages = Counter(
             f"{PREFIX}_messages",
             "Deliveries processed, by outcome and action.",
             ["outcome", "action"],
@@ -134,35 +47,35 @@ class Metrics:
             "Deliveries of charges already final, absorbed by the ledger claim.",
             registry=registry,
         )
-        self.charges = Tally(
+        self.charges = Counter(
             f"{PREFIX}_charges", "Charges settled, by result.", ["result"], registry=registry
         )
-        self.gateway_calls = Tally(
+        self.gateway_calls = Counter(
             f"{PREFIX}_gateway_calls",
             "Charge calls to the gateway, by result.",
             ["result"],
             registry=registry,
         )
-        self.declines = Tally(
+        self.declines = Counter(
             f"{PREFIX}_declines",
             "Charges the provider declined, by kind: authentication_required (the bank wants "
             "the customer present: billing asks them to) or card_declined (any other reason).",
             ["kind"],
             registry=registry,
         )
-        self.scoring = Tally(
+        self.scoring = Counter(
             f"{PREFIX}_scoring",
             "Scoring calls by result (approve, block, failed_<policy>).",
             ["result"],
             registry=registry,
         )
-        self.deferred_checks = Tally(
+        self.deferred_checks = Counter(
             f"{PREFIX}_deferred_checks_resolved",
             "Deferred scoring checks resolved, by verdict.",
             ["verdict"],
             registry=registry,
         )
-        self.dead_letters = Tally(
+        self.dead_letters = Counter(
             f"{PREFIX}_dead_letters",
             "Dead letters written, by reason.",
             ["reason"],
@@ -173,7 +86,7 @@ class Metrics:
             "Messages out of deliveries for a dependency's fault, republished as a fresh copy.",
             registry=registry,
         )
-        self.exhausted = Tally(
+        self.exhausted = Counter(
             f"{PREFIX}_deliveries_exhausted",
             "Messages whose last delivery died with its worker (the MAX_DELIVERIES advisory), "
             "by what became of them: forget (settled already), requeue, dead_letter.",
@@ -208,7 +121,7 @@ class Metrics:
             "Charges made without a scoring verdict, not yet re-scored.",
             registry=registry,
         )
-        self.processing = Timings(
+        self.processing = Histogram(
             f"{PREFIX}_processing_seconds",
             "Time from fetch to settle of one delivery.",
             registry=registry,

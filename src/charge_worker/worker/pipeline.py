@@ -251,7 +251,7 @@ class Pipeline:
         done.notes["scoring"] = label
         if isinstance(verdict, ScoringFailure):
             done.notes["scoring_error"] = verdict.reason
-        self.metrics.scoring.inc(label)
+        self.metrics.scoring.labels(label).inc()
         self.failpoints.hit("after_scoring")
         return verdict
 
@@ -288,7 +288,7 @@ class Pipeline:
             done.settlement = Settlement("processing", charge_id=answer.charge_id)
             return Result(Outcome.PROCESSING)
         done.notes["decline"] = answer.decline_code
-        self.metrics.declines.inc(answer.decline_kind or CARD_DECLINED)
+        self.metrics.declines.labels(answer.decline_kind or CARD_DECLINED).inc()
         done.settlement = Settlement(
             "declined", error=answer.decline_code, decline_code=answer.decline_code
         )
@@ -311,7 +311,7 @@ class Pipeline:
 
     def _gateway_answered(self, done: Processed, label: str) -> None:
         done.notes["gateway"] = label
-        self.metrics.gateway_calls.inc(label)
+        self.metrics.gateway_calls.labels(label).inc()
 
     async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
         """What the gateway already did for this key, as a result to settle; None if nothing."""
@@ -336,7 +336,7 @@ class Pipeline:
         if failed := [c for c in found if c.status == "failed"]:
             code = failed[-1].decline_code
             kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
-            self.metrics.declines.inc(kind)
+            self.metrics.declines.labels(kind).inc()
             done.settlement = Settlement(
                 "declined", error=f"{code or 'declined'} (found by lookup)", decline_code=code
             )

@@ -65,7 +65,7 @@ async def _one_round(
             "blocked" if verdict.decision == "block" else "approved"
         )
         await checks.resolve(check, resolved)
-        metrics.deferred_checks.inc(resolved)
+        metrics.deferred_checks.labels(resolved).inc()
         if resolved == "blocked":
             log.warning(
                 "checks.late_block",
