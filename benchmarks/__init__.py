@@ -11,8 +11,9 @@ each case several times (median, min, max):
 3. latency-bound, 4. incident shape, 5. scale-out to two processes (`latency_bound.py`);
 6. RSS after 10,000 charges and after as many more as fit the budget (`memory.py`);
 
-plus a cProfile of each at saturation (`profiling.py`). It prints a table, the ratios
+and, asked for by name, month start (`month_start.py`). It prints a table, the ratios
 against the targets (MET / MISSED), and writes `benchmarks/results/latest.json`.
-How one sample is measured: `drain.py`; statistics: `stats.py`. Results and the reading of
-them: `docs/benchmarks.md`.
+How one sample is measured: `drain.py`; statistics: `stats.py`. The worker's own CPU per
+charge against the bare pipeline's, in one process, for A/B-ing a change: `overhead.py`.
+Results and the reading of them: `docs/benchmarks.md`.
 """

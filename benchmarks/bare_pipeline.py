@@ -9,20 +9,17 @@ asyncpg with the worker's size and reset, and the event loop is the worker's
 (`charge_worker.event_loop`), so the two differ only in what the worker adds.
 
 Run as a child process by the harness (its CPU is measured like the worker's):
-`python -m benchmarks.bare_pipeline CONFIG_JSON [--profile PATH]`. It touches
+`python -m benchmarks.bare_pipeline CONFIG_JSON`. It touches
 `ready_file` once bound to the consumer and runs until SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import cProfile
 import datetime as dt
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +110,7 @@ class BarePipeline:
             self.failed += 1
             print(f"bare pipeline: {error!r}", file=sys.stderr, flush=True)
 
-    # One method per round trip, so that a profile shows each step apart.
+    # One method per round trip, each the bare form of a step of the worker's pipeline.
     async def _claim(self, charge: dict[str, Any], period: dt.date, key: str) -> None:
         await self.pool.execute(
             CLAIM,
@@ -209,19 +206,7 @@ async def serve(config: BareConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
-    config = BareConfig.model_validate_json(argv[0])
-    profile_path = argv[2] if len(argv) > 2 and argv[1] == "--profile" else None
-    if profile_path is None:
-        event_loop.run(serve(config))
-        return
-    profiler = cProfile.Profile(time.process_time)
-    profiler.enable()
-    try:
-        with contextlib.suppress(KeyboardInterrupt):
-            event_loop.run(serve(config))
-    finally:
-        profiler.disable()
-        profiler.dump_stats(profile_path)
+    event_loop.run(serve(BareConfig.model_validate_json(argv[0])))
 
 
 if __name__ == "__main__":

@@ -147,14 +147,7 @@ class Consumers(Protocol):
 
 
 class _Worker(WorkerProcess):
-    """The demo's worker process, with the pid the CPU meter needs, and `env` added to what
-    it inherits (the `OTEL_*` variables of the tracing case)."""
-
-    def __init__(
-        self, name: str, settings: Settings, log_dir: Path, env: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(name, settings, log_dir)
-        self._env |= env or {}
+    """The demo's worker process, with the pid the CPU meter needs."""
 
     @property
     def pid(self) -> int:
@@ -165,11 +158,9 @@ class _Worker(WorkerProcess):
 class Workers:
     """`count` processes of `charge-worker run` with the same settings."""
 
-    def __init__(
-        self, settings: Settings, log_dir: Path, count: int = 1, env: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, log_dir: Path, count: int = 1) -> None:
         self.settings = settings
-        self.procs = [_Worker(f"worker-{n}", settings, log_dir, env) for n in range(1, count + 1)]
+        self.procs = [_Worker(f"worker-{n}", settings, log_dir) for n in range(1, count + 1)]
 
     @property
     def pids(self) -> list[int]:
@@ -198,7 +189,7 @@ class Workers:
 
 
 class ChildConsumer:
-    """One harness-started child (the bare pipeline, a profiled worker) as `Consumers`."""
+    """One harness-started child (the bare pipeline) as `Consumers`."""
 
     def __init__(self, child: Child, ready: Callable[[httpx.AsyncClient], Awaitable[bool]]):
         self.child = child
@@ -242,7 +233,6 @@ class Plan:
     paced_fraction: float = 0.0  # > 0: a paced latency phase at this fraction of the rate
     paced_s: float = 5.0
     rss_every: int = 0  # > 0: note each consumer's RSS as every multiple of this is acked
-    on_rss_step: Callable[[int, int], None] | None = None  # (step number from 1, acked)
     # a matching active `subscriptions` row for every order published (backlog and paced
     # phase), written before its message: the worker with verify_subscription=match
     subscriptions: bool = False
@@ -396,8 +386,6 @@ class _Progress:
         every = self.plan.rss_every
         if every and done >= (len(self.rss_by_acked) + 1) * every:
             self.rss_by_acked.append((done, [rss_bytes(pid) for pid in self.pids]))
-            if self.plan.on_rss_step is not None:
-                self.plan.on_rss_step(len(self.rss_by_acked), done)
         if time.monotonic() - self.last >= PROGRESS_EVERY_S:
             self.last = time.monotonic()
             self.say(f"{done:,}/{self.plan.messages:,} acked")

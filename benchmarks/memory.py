@@ -10,14 +10,11 @@ report says so. Nothing is extrapolated into the figure.
 from __future__ import annotations
 
 import math
-import os
-import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.bench import Bench
-from benchmarks.drain import Consumers, Drained, Plan, Workers
-from benchmarks.profiling import heap_growth, instrumented_worker
+from benchmarks.drain import Drained, Plan, Workers
 from benchmarks.stats import growth
 from benchmarks.throughput import ZERO
 
@@ -53,7 +50,6 @@ class MemoryResult:
     drained: Drained
     at_first_step: tuple[int, int]  # (acked, RSS bytes) at the first 10,000
     at_last_step: tuple[int, int]  # ... at the largest multiple of 10,000 reached
-    heap: dict[str, Any] = field(default_factory=dict)  # with --trace-memory: heap_growth()
 
     @property
     def growth(self) -> float:
@@ -70,14 +66,12 @@ class MemoryResult:
             "at_first_step": self.at_first_step,
             "at_last_step": self.at_last_step,
             "growth": self.growth,
-            "python_heap": self.heap,
             "drained": self.drained.as_json(),
         }
 
 
-async def memory_case(bench: Bench, worker_rate: float, *, trace: bool = False) -> MemoryResult:
-    """The memory case; with `trace`, the worker runs under tracemalloc (slower: a
-    diagnosis of what grows, not a figure) and the Python heap is compared too."""
+async def memory_case(bench: Bench, worker_rate: float) -> MemoryResult:
+    """The memory case: as many charges as fit the budget, RSS at every 10,000."""
     sizes = bench.sizes
     plan = plan_size(sizes.memory_messages, sizes.memory_budget_s, worker_rate)
     bench.say(f"memory: {plan.why}")
@@ -85,27 +79,14 @@ async def memory_case(bench: Bench, worker_rate: float, *, trace: bool = False) 
     settings = bench.settings(database_url)
     log_dir = bench.log_dir / "memory"
     log_dir.mkdir(exist_ok=True)
-    heap_path = log_dir / "heap.snapshot"
-    consumers: Consumers
-    if trace:
-        traced = instrumented_worker(bench, settings, "worker-traced", heap_path)
-        consumers, last_step = traced, plan.messages // STEP
-
-        def snapshot(step: int, _acked: int) -> None:
-            if step in (1, last_step):  # start tracing, then take the snapshot
-                os.kill(traced.child.pid, signal.SIGUSR1)
-
-    else:
-        consumers = Workers(settings, log_dir)
     drain_plan = Plan(
         messages=plan.messages,
         gateway=ZERO,
         scoring=ZERO,
         timeout_s=max(sizes.memory_budget_s, 60.0),
         rss_every=STEP,
-        on_rss_step=snapshot if trace else None,
     )
-    drained = await bench.sample("memory", drain_plan, settings, consumers)
+    drained = await bench.sample("memory", drain_plan, settings, Workers(settings, log_dir))
     steps = [(acked, rss[0]) for acked, rss in drained.rss_by_acked]
     if drained.acked < plan.messages:
         plan = MemoryPlan(
@@ -116,8 +97,7 @@ async def memory_case(bench: Bench, worker_rate: float, *, trace: bool = False) 
         )
     if not steps:
         raise RuntimeError("the memory case did not reach 10,000 charges")
-    heap = heap_growth(heap_path) if trace and heap_path.exists() else {}
-    return MemoryResult(plan, drained, steps[0], steps[-1], heap)
+    return MemoryResult(plan, drained, steps[0], steps[-1])
 
 
 def budget_left(total_s: float, elapsed_s: float, reserve_s: float) -> float:

@@ -11,9 +11,7 @@ from benchmarks.drain import Drained
 from benchmarks.latency_bound import INCIDENT_SCORING, SCORING, bound, mean_latency_s
 from benchmarks.memory import MemoryResult
 from benchmarks.month_start import MonthStart
-from benchmarks.profiling import Profile
 from benchmarks.stats import Summary, Target, median, ratio
-from benchmarks.traces import TracingCost
 
 MIB = 1024 * 1024  # RSS is reported in binary megabytes
 GROUPS = ("consumer", "postgres", "gateway sim", "scoring sim", "nats-server", "harness")
@@ -43,8 +41,6 @@ class Results:
     scale_out: list[Drained] = field(default_factory=list)
     memory: MemoryResult | None = None
     month_start: MonthStart | None = None
-    tracing: TracingCost | None = None
-    profiles: dict[str, tuple[Drained, Profile]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -307,70 +303,6 @@ def cpu_split(results: Results) -> list[str]:
     return lines
 
 
-def _short(frame: str) -> str:
-    for marker in ("site-packages/", "/src/", "/lib/python3"):
-        if marker in frame:
-            return frame.split(marker, 1)[1].removeprefix(".11/")
-    return frame
-
-
-def heap_lines(results: Results) -> list[str]:
-    """With --trace-memory: the Python objects a traced stretch of charges left alive."""
-    mem = results.memory
-    if mem is None or not mem.heap:
-        return []
-    (n0, r0), (n1, r1) = mem.at_first_step, mem.at_last_step
-    heap = mem.heap
-    lines = [
-        "",
-        f"Worker memory, charges {n0:,} -> {n1:,} traced by tracemalloc: RSS {r0 / MIB:.1f} -> "
-        f"{r1 / MIB:.1f} MiB; Python objects allocated in that stretch and alive at its end: "
-        f"{heap['alive_bytes'] / MIB:.2f} MiB in {heap['alive_objects']:,} objects",
-        "  largest by allocation site (innermost frame first):",
-    ]
-    for site in heap["top_sites"][:8]:
-        # tracemalloc lists frames oldest first: show the innermost (allocating) ones first
-        where = " <- ".join(_short(frame) for frame in reversed(site["traceback"][-3:]))
-        lines.append(f"  {site['size'] / 1024:9,.0f} KiB {site['count']:8,} objs  {where}")
-    return lines
-
-
-def profile_lines(results: Results, top: int = 12) -> list[str]:
-    """Each profile's split; "~real" scales a share to the unprofiled CPU per charge."""
-    lines: list[str] = []
-    unprofiled = {"bare": results.bare, "worker": results.worker}
-    for which, (drained, profile) in results.profiles.items():
-        n = max(drained.acked, 1)
-        timed = unprofiled.get(which) or []
-        real_us = median([_cpu(s) for s in timed]) if timed else math.nan
-        lines += [
-            "",
-            f"Profile of the {which} at saturation (cProfile, CPU clock, {drained.acked:,} "
-            f"charges; {profile.total_s / n * 1e6:,.0f} us/charge profiled, overhead included;",
-            f"  ~real: the share times the unprofiled {real_us:,.0f} us/charge of case 1/2)",
-            f"  {'share':>6} {'profiled':>9} {'~real':>6}  us/charge",
-        ]
-        for package, seconds in profile.by_package[:top]:
-            share = seconds / profile.total_s if profile.total_s else 0.0
-            lines.append(
-                f"  {share:6.1%} {seconds / n * 1e6:9,.0f} {share * real_us:6,.0f}  {package}"
-            )
-        if profile.steps:
-            lines.append("  steps of one charge (cumulative, callees included):")
-        for label, seconds in profile.steps:
-            share = seconds / profile.total_s if profile.total_s else 0.0
-            lines.append(
-                f"  {share:6.1%} {seconds / n * 1e6:9,.0f} {share * real_us:6,.0f}  {label}"
-            )
-        lines.append("  costliest functions (own time):")
-        for where, seconds, calls in profile.top_functions[:8]:
-            lines.append(
-                f"  {seconds / n * 1e6:9,.0f} profiled us/charge {calls / n:8,.1f} calls/charge  "
-                f"{where}"
-            )
-    return lines
-
-
 def _all_samples(results: Results) -> list[tuple[str, Drained]]:
     named: list[tuple[str, Drained]] = []
     for name in (
@@ -385,11 +317,6 @@ def _all_samples(results: Results) -> list[tuple[str, Drained]]:
         named += [(f"{name} {k}", s) for k, s in enumerate(getattr(results, name), start=1)]
     if results.memory is not None:
         named.append(("memory", results.memory.drained))
-    named += [(f"profile {which}", drained) for which, (drained, _) in results.profiles.items()]
-    if results.tracing is not None:
-        for kind in ("off", "on"):
-            samples = getattr(results.tracing, kind)
-            named += [(f"tracing {kind} {k}", s) for k, s in enumerate(samples, start=1)]
     return named
 
 

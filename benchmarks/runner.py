@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks import latency_bound, memory, month_start, profiling, report, throughput, traces
+from benchmarks import latency_bound, memory, month_start, report, throughput
 from benchmarks.bench import DEFAULT, QUICK, ROOT, Bench, Sizes
 from benchmarks.stack import Stack
 from benchmarks.stats import median
@@ -32,8 +32,8 @@ RUN_BUDGET_S = 540.0  # the whole default run, start to JSON, stays under 10 min
 QUICK_BUDGET_S = 300.0
 MEMORY_RESERVE_S = 25.0  # publishing, start-up and stopping around the memory drain
 PUBLISH_PER_S = 15_000.0  # backlog publishing speed, for the memory case's budget
-CASES = ("throughput", "latency", "profile", "tracing", "memory", "month-start")
-DEFAULT_CASES = CASES[:5]  # month-start takes ~15 minutes of its own: asked for by name
+CASES = ("throughput", "latency", "memory", "month-start")
+DEFAULT_CASES = CASES[:3]  # month-start takes ~15 minutes of its own: asked for by name
 PACKAGES = (
     "charge-worker",
     "nats-py",
@@ -82,18 +82,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "what is left of the run's 10-minute budget)",
     )
     parser.add_argument("--budget-s", type=float, help="the whole run's time budget")
-    parser.add_argument(
-        "--subscription-check",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="throughput: also the worker with CHARGE_WORKER_VERIFY_SUBSCRIPTION=match "
-        "(case 2b, one more sample per repeat, no paced phase; on by default)",
-    )
-    parser.add_argument(
-        "--trace-memory",
-        action="store_true",
-        help="memory case under tracemalloc: what grows in the Python heap (slow; diagnosis)",
-    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "latest.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the logs directory")
     parser.add_argument(
@@ -157,9 +145,7 @@ async def run_cases(
     budget_s: float,
     *,
     out: Path,
-    trace_memory: bool = False,
     month_start_charges: int = 100_000,
-    subscription_check: bool = True,
 ) -> report.Results:
     sizes = bench.sizes
     probe = bench.settings("postgresql://unused/x")
@@ -168,13 +154,14 @@ async def run_cases(
     step = 0
     if "throughput" in only:
         step += 1
-        also = ", and with the subscription check on" if subscription_check else ""
-        bench.say(f"== case group {step}/{case_count}: bare pipeline vs worker{also}, zero latency")
+        bench.say(
+            f"== case group {step}/{case_count}: bare pipeline vs worker, and with the "
+            "subscription check on, zero latency"
+        )
         for k in range(1, sizes.repeats + 1):
             results.bare.append(await throughput.bare_sample(bench, k))
             results.worker.append(await throughput.worker_sample(bench, k))
-            if subscription_check:
-                results.worker_verified.append(await throughput.verified_sample(bench, k))
+            results.worker_verified.append(await throughput.verified_sample(bench, k))
     if "latency" in only:
         step += 1
         bench.say(
@@ -188,15 +175,6 @@ async def run_cases(
             results.latency_bound.append(await latency_bound.latency_bound_sample(bench, k))
             results.scale_out.append(await latency_bound.scale_out_sample(bench, k))
             results.incident.append(await latency_bound.incident_sample(bench, k))
-    if "profile" in only:
-        step += 1
-        bench.say(f"== case group {step}/{case_count}: profiles at saturation (not timed)")
-        for which in ("bare", "worker"):
-            results.profiles[which] = await profiling.profile_sample(bench, which)
-    if "tracing" in only:
-        step += 1
-        bench.say(f"== case group {step}/{case_count}: tracing on (every span exported) vs off")
-        results.tracing = await traces.tracing_case(bench)
     if "memory" in only:
         step += 1
         rate = median([s.rate for s in results.worker]) if results.worker else 200.0
@@ -209,7 +187,7 @@ async def run_cases(
             f"{budget_s:.0f} s budget left for it)"
         )
         bench.sizes = dataclasses.replace(sizes, memory_budget_s=memory_budget)
-        results.memory = await memory.memory_case(bench, rate, trace=trace_memory)
+        results.memory = await memory.memory_case(bench, rate)
     if "month-start" in only:
         step += 1
         bench.say(f"== case group {step}/{case_count}: month start")
@@ -267,11 +245,6 @@ def record(
             "scale_out": samples(results.scale_out),
             "memory": results.memory.as_json() if results.memory else None,
             "month_start": results.month_start.as_json() if results.month_start else None,
-            "tracing": results.tracing.as_json() if results.tracing else None,
-            "profiles": {
-                which: {"drained": drained.as_json(), "profile": profile.as_json()}
-                for which, (drained, profile) in results.profiles.items()
-            },
         },
     }
 
@@ -313,9 +286,7 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
                 only,
                 budget_s,
                 out=args.out,
-                trace_memory=args.trace_memory,
                 month_start_charges=args.month_start_charges,
-                subscription_check=args.subscription_check,
             )
         finally:
             for consumers in list(bench.live):
@@ -328,9 +299,6 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
         *report.cpu_split(results),
         *report.check_lines(results),
         *report.ratio_lines(found),
-        *report.profile_lines(results),
-        *(results.tracing.lines() if results.tracing else []),
-        *report.heap_lines(results),
         *(results.month_start.lines() if results.month_start else []),
     ]
     print("\n" + "\n".join(lines), flush=True)

@@ -17,8 +17,6 @@ samples as case 2.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 
 from benchmarks.bare_pipeline import BareConfig
@@ -32,9 +30,7 @@ ZERO = LatencyModel.fixed(0.0)
 PACED_FRACTION = 0.5
 
 
-def bare_consumer(
-    bench: Bench, settings: Settings, name: str, profile: Path | None = None
-) -> ChildConsumer:
+def bare_consumer(bench: Bench, settings: Settings, name: str) -> ChildConsumer:
     """The bare pipeline as a child process, mirroring `settings`."""
     ready_file = bench.log_dir / f"{name}.ready"
     ready_file.unlink(missing_ok=True)
@@ -53,8 +49,6 @@ def bare_consumer(
         ready_file=str(ready_file),
     )
     argv = python_argv("-m", "benchmarks.bare_pipeline", config.model_dump_json())
-    if profile is not None:
-        argv += ["--profile", str(profile)]
     child = Child(name, argv, bench.log_dir / f"{name}.log", env=child_env(settings, ROOT))
 
     async def ready(_http: httpx.AsyncClient) -> bool:
