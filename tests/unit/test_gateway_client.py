@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -40,7 +41,10 @@ OK = {
 }
 
 
-def client(handler: Callable[[httpx.Request], httpx.Response], **cfg: object) -> ContractGateway:
+Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
+
+
+def client(handler: Handler, **cfg: object) -> ContractGateway:
     settings = GatewaySettings(
         url="http://127.0.0.1",
         api_key=SecretStr("sk_test_x"),
@@ -189,6 +193,41 @@ async def test_connection_refused_is_unavailable_other_transport_errors_unknown(
         await client(refuse).charge(CHARGE)
     with pytest.raises(errors.OutcomeUnknown):
         await client(reset).charge(CHARGE)
+
+
+def silent(sent: asyncio.Event) -> Handler:
+    """A gateway that takes the request and never answers."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        sent.set()
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    return handler
+
+
+async def test_a_call_past_its_deadline_is_unknown_and_counts_toward_the_breaker() -> None:
+    """The deadline bounds the whole call (httpx's timeout bounds each phase of it)."""
+    sent = asyncio.Event()
+    gw = client(silent(sent), gateway_timeout_s=0.05, gateway_breaker_failures=1)
+    with pytest.raises(errors.OutcomeUnknown, match=r"no answer within 0\.05s") as caught:
+        await gw.charge(CHARGE)
+    assert isinstance(caught.value.__cause__, TimeoutError)
+    assert sent.is_set()
+    assert not gw.available
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]  # uncancelled
+
+
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
+    """A shutdown cancelling a charge under way is neither a timeout nor a gateway failure."""
+    sent = asyncio.Event()
+    gw = client(silent(sent), gateway_breaker_failures=1)
+    charging = asyncio.create_task(gw.charge(CHARGE))
+    await sent.wait()
+    charging.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await charging
+    assert gw.available
 
 
 async def test_breaker_opens_on_unknown_outcomes_only() -> None:
