@@ -1,4 +1,5 @@
-"""The command as a user runs it: help everywhere, one-line errors, exit codes."""
+"""The command as a user runs it: help everywhere, one-line errors, exit codes (in process:
+`tests.support.cli`; the demo as a process of its own)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.settings import NatsSettings
+from tests.support.cli import cli
 
 COMMANDS = [
     [],
@@ -23,6 +25,7 @@ COMMANDS = [
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """As a separate process: the demo starts servers and simulators of its own."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CHARGE_WORKER_")}
     clean.pop("DATABASE_URL", None)
     clean.pop("NATS_URL", None)
@@ -38,7 +41,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "top")
 def test_every_command_explains_itself(command: list[str]) -> None:
-    result = run(*command, "--help")
+    result = cli(*command, "--help")
     assert result.returncode == 0, result.stderr
     assert "Usage: charge-worker" in result.stdout
     summary = result.stdout.split("\n\n")[1].strip()
@@ -46,7 +49,7 @@ def test_every_command_explains_itself(command: list[str]) -> None:
 
 
 def test_missing_server_address_is_one_line_naming_it() -> None:
-    result = run("migrate")
+    result = cli("migrate")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "Error: SettingsError: DATABASE_URL is not set; this command needs it"
@@ -54,7 +57,7 @@ def test_missing_server_address_is_one_line_naming_it() -> None:
 
 
 def test_invalid_setting_stops_the_command_with_one_line() -> None:
-    result = run("provision", env={"CHARGE_WORKER_MAX_DELIVER": "2"})
+    result = cli("provision", env={"CHARGE_WORKER_MAX_DELIVER": "2"})
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -63,7 +66,7 @@ def test_invalid_setting_stops_the_command_with_one_line() -> None:
 
 def test_unreachable_database_is_one_line() -> None:
     url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
-    result = run("migrate", env={"DATABASE_URL": url})
+    result = cli("migrate", env={"DATABASE_URL": url})
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -80,13 +83,13 @@ def test_provision_reports_drift_with_exit_3(nats_settings: NatsSettings) -> Non
         "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
         "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
     }
-    first = run("provision", env=env)
+    first = cli("provision", env=env)
     assert first.returncode == 0, first.stderr
     assert f"created stream {stream}" in first.stdout
-    drifted = run("provision", env={**env, "CHARGE_WORKER_MAX_ACK_PENDING": "50"})
+    drifted = cli("provision", env={**env, "CHARGE_WORKER_MAX_ACK_PENDING": "50"})
     assert drifted.returncode == 3
     assert "max_ack_pending is 1000, configured 50" in drifted.stderr
-    applied = run("provision", "--apply", env={**env, "CHARGE_WORKER_MAX_ACK_PENDING": "50"})
+    applied = cli("provision", "--apply", env={**env, "CHARGE_WORKER_MAX_ACK_PENDING": "50"})
     assert applied.returncode == 0, applied.stderr
     assert f"updated consumer {stream}/charges-worker" in applied.stdout
 
@@ -104,13 +107,13 @@ def test_nats_url_may_list_several_servers_and_any_that_answers_will_do(
         "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
         "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
     }
-    result = run("provision", env=env)
+    result = cli("provision", env=env)
     assert result.returncode == 0, result.stderr
     assert f"created stream {nats_settings.stream}" in result.stdout
 
 
 def test_unreachable_nats_is_one_line_within_seconds() -> None:
-    result = run("provision", env={"NATS_URL": f"nats://127.0.0.1:{free_port()}"})
+    result = cli("provision", env={"NATS_URL": f"nats://127.0.0.1:{free_port()}"})
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: DependencyUnavailable: cannot connect to NATS")
@@ -122,7 +125,7 @@ SECRET = "s3cr3t-pw"
 def test_credentials_in_the_nats_url_are_never_printed() -> None:
     """Found in production: a connect error printed NATS_URL with its user and password."""
     port = free_port()
-    result = run("provision", env={"NATS_URL": f"nats://alice:{SECRET}@127.0.0.1:{port}"})
+    result = cli("provision", env={"NATS_URL": f"nats://alice:{SECRET}@127.0.0.1:{port}"})
     assert result.returncode == 1
     assert SECRET not in result.stdout + result.stderr
     assert f"cannot connect to NATS at nats://***@127.0.0.1:{port}" in result.stderr

@@ -1,13 +1,10 @@
 """`--json` on every command that prints a result, as a script runs them: one JSON object on
-stdout, nothing else there, the same exit codes as without it."""
+stdout, nothing else there, the same exit codes as without it (in process: tests.support.cli)."""
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from charge_worker import streams
 from charge_worker.dlq import DeadLetters
 from charge_worker.migrate import default_directory
 from charge_worker.settings import NatsSettings
+from tests.support.cli import Ran, cli
 
 # every command that prints a result (the others serve, or tell a story: run, webhooks,
 # sandbox *, demo)
@@ -46,24 +44,7 @@ CHARGE = {
 POISON = b"not json \xff\x1b[31m"
 
 
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("CHARGE_WORKER_") and k not in ("NATS_URL", "DATABASE_URL")
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "charge_worker", *args],
-        env=clean | env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def document(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+def document(result: Ran) -> dict[str, Any]:
     """stdout as exactly one JSON object."""
     parsed = json.loads(result.stdout)
     assert isinstance(parsed, dict), result.stdout

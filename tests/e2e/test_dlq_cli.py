@@ -10,7 +10,6 @@ import pty
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import asyncpg
 import httpx
@@ -23,6 +22,8 @@ from charge_worker.dlq import MAX_ERROR_CHARS, DeadLetters
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
+from tests.support.cli import Ran
+from tests.support.cli import cli as in_process
 from tests.support.harness import (
     PERIOD,
     due,
@@ -38,24 +39,19 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 LONG_ERROR = "gateway said: " + "card number format invalid " * 20
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
+async def cli(*args: str, env: dict[str, str]) -> Ran:
+    """`charge-worker ARGS` in this process (stdin no terminal), off the test's loop."""
+    return await asyncio.to_thread(in_process, *args, env=env)
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
+async def spawned(*args: str, env: dict[str, str], stdin: int = subprocess.DEVNULL) -> Ran:
+    """`charge-worker ARGS` as a process of its own: stdin may be a terminal, and a worker in
+    the test's process may log while it runs."""
     clean = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("CHARGE_WORKER_") and k not in ("NATS_URL", "DATABASE_URL", "COLUMNS")
     }
-    return clean | extra
-
-
-async def cli(*args: str, env: dict[str, str], stdin: int = subprocess.DEVNULL) -> Result:
-    """Run `charge-worker ARGS` in a subprocess; stdin is no terminal unless given one."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -64,11 +60,11 @@ async def cli(*args: str, env: dict[str, str], stdin: int = subprocess.DEVNULL) 
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=_env(env),
+        env=clean | env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
-    return Result(proc.returncode, out.decode(), err.decode())
+    return Ran(proc.returncode, out.decode(), err.decode())
 
 
 @contextlib.contextmanager
@@ -160,14 +156,7 @@ async def dead_letter_count(js: JetStreamContext, cfg: NatsSettings) -> int:
     "command", [["dlq"], ["dlq", "list"], ["dlq", "show"], ["dlq", "replay"]], ids=" ".join
 )
 def test_every_dlq_command_explains_itself(command: list[str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "charge_worker", *command, "--help"],
-        env=_env({}),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = in_process(*command, "--help")
     assert result.returncode == 0, result.stderr
     assert "Usage: charge-worker" in result.stdout
     assert len(result.stdout.split("\n\n")[1].strip()) > 20
@@ -329,13 +318,13 @@ async def test_replay_asks_on_a_terminal(
     env: dict[str, str], js: JetStreamContext, nats_settings: NatsSettings
 ) -> None:
     with terminal_answering("n") as stdin:
-        declined = await cli("dlq", "replay", "2", env=env, stdin=stdin)
+        declined = await spawned("dlq", "replay", "2", env=env, stdin=stdin)
     assert declined.returncode == 1
     assert f"Replay 1 dead letter to {nats_settings.subject}? [y/N]" in declined.stdout
     assert await charges(js, nats_settings) == []
 
     with terminal_answering("y") as stdin:
-        accepted = await cli("dlq", "replay", "--all", env=env, stdin=stdin)
+        accepted = await spawned("dlq", "replay", "--all", env=env, stdin=stdin)
     assert accepted.returncode == 0, accepted.stderr
     assert f"Replay 3 dead letters to {nats_settings.subject}? [y/N]" in accepted.stdout
     assert accepted.stdout.endswith("replayed 3, skipped as duplicates 0, missing 0\n")
@@ -465,7 +454,7 @@ async def test_replay_revives_failed_rows_and_looks_up_before_charging(
                 original={"Nats-Msg-Id": f"charge:{order_id}:{PERIOD.isoformat()}"},
             )
         async with running_worker(settings):
-            replay = await cli("dlq", "replay", "--all", "--yes", env=env)
+            replay = await spawned("dlq", "replay", "--all", "--yes", env=env)
             assert replay.returncode == 0, replay.stderr
             assert replay.stdout == "replayed 2, skipped as duplicates 0, missing 0\n"
 

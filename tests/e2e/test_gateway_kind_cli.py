@@ -3,32 +3,12 @@ the command at start with one line naming the setting (and never the key)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from charge_worker.sandbox.embedded import free_port
-
-
-def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("CHARGE_WORKER_", "GATEWAY_"))
-        and k not in ("DATABASE_URL", "NATS_URL")
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "charge_worker", *args],
-        env=clean | env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+from tests.support.cli import cli
 
 
 def test_an_unknown_gateway_kind_is_one_line_naming_it() -> None:
-    result = run("provision", env={"GATEWAY_KIND": "paypal"})
+    result = cli("provision", env={"GATEWAY_KIND": "paypal"})
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert "GATEWAY_KIND" in line
@@ -42,7 +22,7 @@ def test_a_publishable_key_for_stripe_is_one_line_naming_the_setting_not_the_key
         "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{free_port()}/postgres",
         "NATS_URL": f"nats://127.0.0.1:{free_port()}",
     }
-    result = run("reconcile", env=env)
+    result = cli("reconcile", env=env)
     assert result.returncode != 0
     [line] = result.stderr.strip().splitlines()
     assert "GATEWAY_API_KEY" in line

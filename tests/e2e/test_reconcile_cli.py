@@ -1,12 +1,10 @@
-"""`charge-worker reconcile` as the CronJob runs it: a subprocess, real servers, exit codes."""
+"""`charge-worker reconcile` as the CronJob runs it: real servers, its output, exit codes."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,26 +18,15 @@ from charge_worker.reconcile.run import LOCK_KEY
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
+from tests.support.cli import Ran, cli
 
 PERIOD = "2026-12-01"
 API_KEY = "sk_test_sandbox"
 
 
-def reconcile(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("CHARGE_WORKER_")
-        and k not in ("NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY", "COLUMNS")
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "charge_worker", "reconcile", *args],
-        env=clean | env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+async def reconcile(*args: str, env: dict[str, str]) -> Ran:
+    """`charge-worker reconcile ARGS` in this process, off the test's loop."""
+    return await asyncio.to_thread(cli, "reconcile", *args, env=env)
 
 
 @pytest.fixture
@@ -134,7 +121,7 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
     extra = await charged(gateway_sim.url, 1, "a-second-key")
     metrics = tmp_path / "reconcile.prom"
 
-    dry = reconcile("--dry-run", "--json", env=env)
+    dry = await reconcile("--dry-run", "--json", env=env)
     assert dry.returncode == 0, dry.stderr
     report = json.loads(dry.stdout)
     assert report["dry_run"] is True
@@ -142,7 +129,7 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
     assert report["double_charges"][0]["extra"] == [extra]
     assert await charges(gateway_sim.url) == {kept: "succeeded", extra: "succeeded"}
 
-    repair = reconcile("--metrics-file", str(metrics), env=env)
+    repair = await reconcile("--metrics-file", str(metrics), env=env)
     assert repair.returncode == 0, repair.stderr
     assert f"1:{PERIOD}" in repair.stdout
     assert "refunded" in repair.stdout
@@ -163,7 +150,7 @@ async def test_double_charge_dry_run_then_repair_then_nothing(
         "errors": 0,
     }
 
-    again = reconcile("--json", "--metrics-file", str(metrics), env=env)
+    again = await reconcile("--json", "--metrics-file", str(metrics), env=env)
     assert again.returncode == 0, again.stderr
     assert set(json.loads(again.stdout)["counts"].values()) == {0}
     assert gauges(metrics)["refunds"] == 0
@@ -185,13 +172,13 @@ async def test_charges_not_proven_doubles_are_reported_never_refunded(
     before = await charges(gateway_sim.url)
     metrics = tmp_path / "reconcile.prom"
 
-    plain = reconcile("--metrics-file", str(metrics), env=env)
+    plain = await reconcile("--metrics-file", str(metrics), env=env)
     assert plain.returncode == 0, plain.stderr
     assert "unmatched charges" in plain.stdout
     assert await charges(gateway_sim.url) == before  # nothing refunded
     assert (gauges(metrics)["refunds"], gauges(metrics)["unmatched_charges"]) == (0, 4)
 
-    asked = reconcile("--json", "--fail-on-discrepancy", env=env)
+    asked = await reconcile("--json", "--fail-on-discrepancy", env=env)
     assert asked.returncode == 4, asked.stderr
     report = json.loads(asked.stdout)
     assert report["counts"]["unmatched_charges"] == 4
@@ -205,11 +192,11 @@ async def test_discrepancy_exits_4_only_when_asked_and_charges_nothing(
 ) -> None:
     await succeeded_row(conn, 7, "ch_never_made")
 
-    failing = reconcile("--fail-on-discrepancy", env=env)
+    failing = await reconcile("--fail-on-discrepancy", env=env)
     assert failing.returncode == 4, failing.stderr
     assert f"7:{PERIOD}" in failing.stdout
     assert "ch_never_made" in failing.stdout
-    reported = reconcile("--json", env=env)
+    reported = await reconcile("--json", env=env)
     assert reported.returncode == 0, reported.stderr
     assert json.loads(reported.stdout)["counts"]["discrepancies"] == 1
     assert await charges(gateway_sim.url) == {}
@@ -221,7 +208,7 @@ async def test_another_reconcile_running_is_said_and_exits_0(
     metrics = tmp_path / "reconcile.prom"
     assert await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
 
-    result = reconcile("--metrics-file", str(metrics), env=env)
+    result = await reconcile("--metrics-file", str(metrics), env=env)
 
     assert result.returncode == 0, result.stderr
     assert "another reconcile is running" in result.stdout
@@ -229,17 +216,16 @@ async def test_another_reconcile_running_is_said_and_exits_0(
 
 
 def test_unreachable_gateway_is_one_line_and_exit_1(env: dict[str, str]) -> None:
-    result = reconcile(env=env | {"GATEWAY_URL": f"http://127.0.0.1:{free_port()}"})
+    result = cli("reconcile", env=env | {"GATEWAY_URL": f"http://127.0.0.1:{free_port()}"})
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
-    # "gateway history page 1: …": httpx-aiohttp maps a refused connection to ConnectTimeout
     assert line.startswith("Error: DependencyUnavailable: gateway")
     assert API_KEY not in result.stdout + result.stderr
 
 
 def test_unreachable_database_is_one_line_and_exit_1(env: dict[str, str]) -> None:
     url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
-    result = reconcile(env=env | {"DATABASE_URL": url})
+    result = cli("reconcile", env=env | {"DATABASE_URL": url})
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: DependencyUnavailable: cannot connect to the database")
@@ -251,7 +237,7 @@ async def test_each_run_says_which_history_it_read_and_full_reads_the_window(
     """The CronJob's runs page from the checkpoint; `--full`, the daily one, the window."""
     await succeeded_row(conn, 1, await charged(gateway_sim.url, 1, f"1:{PERIOD}"))
 
-    runs = [reconcile(*args, "--json", env=env) for args in ((), (), ("--full",))]
+    runs = [await reconcile(*args, "--json", env=env) for args in ((), (), ("--full",))]
 
     assert [r.returncode for r in runs] == [0, 0, 0], [r.stderr for r in runs]
     first, second, full = (json.loads(r.stdout) for r in runs)
@@ -262,6 +248,6 @@ async def test_each_run_says_which_history_it_read_and_full_reads_the_window(
     assert read == dt.timedelta(hours=48)  # CHARGE_WORKER_RECONCILE_WINDOW_S
     assert full["history"] == {"pages": 1, "charges": 1}
     assert (full["candidates"], full["lookups"]) == (0, 0)
-    plain = reconcile("--full", env=env)
+    plain = await reconcile("--full", env=env)
     assert "(full)" in plain.stdout
     assert "0 key(s) looked at" in plain.stdout
