@@ -3,13 +3,13 @@
 As procrastinate's `InMemoryConnector` and httpx's `MockTransport` do, each fake implements a
 port of our own, injected where the real adapter would be; nothing is monkeypatched:
 
-| fake               | stands in for                                   | injected as              |
-|--------------------|-------------------------------------------------|--------------------------|
-| `InMemoryLedger`   | `ledger.Ledger` (PostgreSQL)                    | the pipeline's ledger    |
-| `FakeGateway`      | the gateway behind the real `ContractGateway`   | its `httpx.MockTransport`|
-| `FakeScoring`      | the scoring service behind the real `ScoringClient` | its `httpx.MockTransport` |
-| `FakeMessage`      | a JetStream message (nats-py's `Msg`)           | the consumer's message   |
-| `FakeDeadLetters`  | `dlq.DeadLetters` (JetStream)                   | the consumer's hand-over |
+| fake              | stands in for                                    | port                  |
+|-------------------|--------------------------------------------------|-----------------------|
+| `InMemoryLedger`  | `ledger.Ledger` (PostgreSQL)                     | `pipeline.LedgerPort` |
+| `FakeGateway`     | the gateway, behind the real `ContractGateway`   | `httpx.MockTransport` |
+| `FakeScoring`     | scoring, behind the real `ScoringClient`         | `httpx.MockTransport` |
+| `FakeMessage`     | a JetStream message (nats-py's `Msg`)            | `consumer.Message`    |
+| `FakeDeadLetters` | `dlq.DeadLetters` (JetStream)                    | `consumer.HandOver`   |
 
 The ledger keeps the rules of `ledger.py`'s SQL (one row per `(order_id, billing_period)`;
 a claim inserts it, or takes over a `scheduled` row, an expired lease, or with a replay a

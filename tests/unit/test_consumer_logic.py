@@ -10,7 +10,8 @@ AckWait, the copy delivered again) is tests/integration/test_worker.py's.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
+from typing import Any
 
 import pytest
 import structlog
@@ -67,14 +68,16 @@ def consumer(world: World, owner: str = "w1") -> Consumer:
     )
 
 
-async def handle(world: World, msg: FakeMessage, owner: str = "w1") -> list[dict[str, object]]:
+async def handle(
+    world: World, msg: FakeMessage, owner: str = "w1"
+) -> list[MutableMapping[str, Any]]:
     """Hand one fetched message to a consumer; the log lines it wrote."""
     with structlog.testing.capture_logs() as lines:
         await consumer(world, owner)._handle(msg, time.monotonic())
     return lines
 
 
-def settled_line(lines: list[dict[str, object]]) -> dict[str, object]:
+def settled_line(lines: list[MutableMapping[str, Any]]) -> MutableMapping[str, Any]:
     [line] = [line for line in lines if line["event"] == "charge.settled"]
     return line
 

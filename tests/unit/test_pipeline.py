@@ -17,7 +17,6 @@ import pytest
 
 from charge_worker.messages import ChargeDue
 from charge_worker.settings import LEASE_RENEWAL_S
-from charge_worker.worker.consumer import conclude
 from charge_worker.worker.decisions import (
     Ack,
     Action,
@@ -61,8 +60,8 @@ async def through(
 ) -> tuple[Processed, Action]:
     """One delivery, from its bytes to the action JetStream is told, recorded."""
     data = charge if isinstance(charge, bytes) else charge.to_json()
-    processed = await pipeline.process(Delivery(data, 1, delivery, replayed=replayed))
-    return processed, await conclude(pipeline, processed, POLICY)
+    concluded = await pipeline.conclude(Delivery(data, 1, delivery, replayed=replayed), POLICY)
+    return concluded.processed, concluded.action
 
 
 # ---- final outcomes: ack ------------------------------------------------------------------
@@ -75,6 +74,12 @@ async def test_a_charge_is_claimed_scored_charged_and_recorded_with_its_story(
     processed, action = await through(world.pipeline(), charge)
     assert (processed.result.outcome, action) == (Outcome.CHARGED, Ack())
     [made] = world.gateway.charges_of(charge)
+    assert processed.answer is not None
+    assert (processed.answer.charge_id, processed.called, processed.looked_up) == (
+        made["id"],
+        True,
+        False,
+    )
     row = world.ledger.row(charge)
     assert (row.status, row.gateway_charge_id, row.lease_owner) == ("succeeded", made["id"], None)
     assert (row.gateway_calls, row.scoring) == (1, "approved")
@@ -181,6 +186,9 @@ async def test_a_lost_answer_keeps_the_lease_and_the_next_delivery_finds_the_cha
     processed, action = await through(world.pipeline("w2"), charge, delivery=2)
     assert (processed.result.outcome, action) == (Outcome.CHARGED, Ack())
     [made] = world.gateway.charges_of(charge)
+    assert processed.looked_up
+    assert processed.found is not None
+    assert (processed.found.id, processed.called) == (made["id"], False)
     assert world.gateway.sent(CHARGE) == 1  # found by the lookup, never sent again
     row = world.ledger.row(charge)
     assert (row.status, row.gateway_charge_id, row.gateway_calls) == ("succeeded", made["id"], 1)
@@ -194,6 +202,7 @@ async def test_a_lookup_that_finds_nothing_lets_the_charge_go_ahead(world: World
     world.clock.advance(LEASE_S + 1)
     processed, action = await through(world.pipeline("w2"), charge, delivery=2)
     assert (processed.result.outcome, action) == (Outcome.CHARGED, Ack())
+    assert (processed.looked_up, processed.found, processed.called) == (True, None, True)
     assert world.gateway.sent(LOOKUP) == 1
     assert len(world.gateway.charges_of(charge)) == 1
     assert world.ledger.row(charge).gateway_calls == 2

@@ -1,12 +1,14 @@
-"""The pull loop: fetch to free capacity, process with bounded concurrency, act, drain.
+"""The pull loop: fetch to free capacity, hand each message to the pipeline, act, drain.
 
 A fetched message's AckWait clock is already running, so the loop fetches only as many
-messages as it has free slots. Each message goes one way (`_handle`): the pipeline
-processes it under a heartbeat (`+WPI`), `decisions.decide` says what to do, the pipeline
-records it, and `_act` is the one place that acks, naks, requeues or terminates. While the
-gateway's breaker is open nothing is fetched (messages wait in the stream and spend no
-deliveries); a cheap probe closes it again. On stop: no more fetches, in-flight work gets
-`drain_s` to finish, and anything cancelled is left un-acked for JetStream to redeliver.
+messages as it has free slots. Each message goes one way (`_handle`): under a heartbeat
+(`+WPI`), `Pipeline.conclude` turns it into what it came to and the action it calls for
+(decided and recorded there); `_act` executes that action, once, and is the one place that
+acks, naks, requeues or terminates; `_account` counts it and writes its canonical line.
+While the gateway's breaker is open nothing is fetched (messages wait in the stream and
+spend no deliveries); a cheap probe closes it again. On stop: no more fetches, in-flight
+work gets `drain_s` to finish, and anything cancelled is left un-acked for JetStream to
+redeliver.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
+from typing import Protocol, assert_never
 
 import nats.errors
 import structlog
@@ -22,29 +26,71 @@ from nats.js import JetStreamContext
 from opentelemetry.trace import Span, StatusCode
 
 from charge_worker import logs, tracing
-from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
 from charge_worker.messages import valid_traceparent
 from charge_worker.settings import Settings
 from charge_worker.worker.decisions import (
+    Ack,
     Action,
     DeadLetter,
     Nak,
     Outcome,
     Policy,
     Requeue,
-    decide,
     describe,
 )
 from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.heartbeat import Heartbeats
 from charge_worker.worker.metrics import Metrics
-from charge_worker.worker.pipeline import Delivery, Pipeline, Processed
+from charge_worker.worker.pipeline import Concluded, Delivery, Pipeline, Processed
 
 log = structlog.get_logger(__name__)
 RECONNECT_PAUSE_S = 0.5
 THROTTLED_PAUSE_S = 0.05
+
+
+class Message(Protocol):
+    """A delivered JetStream message, as the consumer uses it: nats-py's `Msg`, or
+    `tests/support/fakes.FakeMessage` in unit tests."""
+
+    @property
+    def subject(self) -> str: ...
+    @property
+    def reply(self) -> str: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+    @property
+    def metadata(self) -> Msg.Metadata: ...
+    async def ack(self) -> None: ...
+    async def nak(self, delay: float | None = None) -> None: ...
+    async def term(self) -> None: ...
+    async def in_progress(self) -> None: ...
+
+
+class HandOver(Protocol):
+    """Where a message goes that is not acked or nak'd: `dlq.DeadLetters` (the dead-letter
+    stream, and a fresh copy on the charges subject), or `FakeDeadLetters` in unit tests."""
+
+    async def write(
+        self,
+        body: bytes,
+        *,
+        reason: str,
+        error: str,
+        stream_seq: int,
+        num_delivered: int,
+        original: Mapping[str, object] | None,
+    ) -> None:
+        """Store a dead letter; `DependencyUnavailable` if it could not be."""
+
+    async def requeue(
+        self, body: bytes, headers: Mapping[str, object] | None, *, from_seq: int
+    ) -> int:
+        """Publish a fresh copy; its stream sequence. `DependencyUnavailable` if it could
+        not be."""
 
 
 class Consumer:
@@ -54,7 +100,7 @@ class Consumer:
         *,
         js: JetStreamContext,
         pipeline: Pipeline,
-        dead_letters: DeadLetters,
+        dead_letters: HandOver,
         gateway: GatewayClient,
         metrics: Metrics,
         failpoints: Failpoints,
@@ -140,13 +186,13 @@ class Consumer:
             return True
         return False
 
-    async def _handle(self, msg: Msg, fetched_at: float) -> None:
-        """One message, one way: process, decide, record, act, account; one span, and its
-        lines bound to it, until the canonical line."""
+    async def _handle(self, msg: Message, fetched_at: float) -> None:
+        """One message, fetch to ack: concluded by the pipeline under a heartbeat, its action
+        executed once, counted and told in one canonical line; one span, and its lines
+        bound to it until that line."""
         delivery = _delivery(msg)
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()
-        # on the delivery's lines until its canonical line
         bound = logs.bind(stream_seq=delivery.stream_seq, delivery=delivery.num_delivered)
         try:
             name = f"process {msg.subject}"
@@ -155,20 +201,17 @@ class Consumer:
                 beat = self.heartbeats.start(msg)
                 try:
                     # binds order_id and billing_period once the body is parsed
-                    processed = await self.pipeline.process(delivery)
-                    action = await conclude(self.pipeline, processed, self.policy)
+                    concluded = await self.pipeline.conclude(delivery, self.policy)
                 finally:
                     self.heartbeats.stop(beat)
-                done = await self._act(msg, delivery, processed, action)
-                if done != action:  # a dead letter or copy was not written: the story says so
-                    await self.pipeline.record(processed, done)
-                self._account(delivery, processed, done, time.monotonic() - fetched_at)
+                done = await self._act(msg, concluded)
+                self._account(concluded.processed, done, time.monotonic() - fetched_at)
                 if span.is_recording():
-                    _annotate(span, processed, done)
+                    _annotate(span, concluded.processed, done)
         finally:
             logs.unbind(bound)
 
-    def _span_attributes(self, msg: Msg, delivery: Delivery) -> tracing.Attributes:
+    def _span_attributes(self, msg: Message, delivery: Delivery) -> tracing.Attributes:
         headers = msg.headers or {}
         return tracing.messaging("process", msg.subject, headers.get("Nats-Msg-Id")) | {
             "messaging.consumer.group.name": self.settings.nats.durable,
@@ -177,57 +220,60 @@ class Consumer:
             "charge_worker.delivery": delivery.num_delivered,
         }
 
-    async def _act(
-        self, msg: Msg, delivery: Delivery, processed: Processed, action: Action
-    ) -> Action:
+    async def _act(self, msg: Message, concluded: Concluded) -> Action:
         """The one place that acks, naks, requeues or terminates. Returns what was done: a
-        dead letter or a requeue that cannot be written becomes a nak (nothing is dropped)."""
+        dead letter or a fresh copy that cannot be stored becomes a nak (nothing is
+        dropped: the message comes back after AckWait), and the delivery's story says so."""
+        processed, action = concluded.processed, concluded.action
         try:
-            if isinstance(action, DeadLetter | Requeue):
-                action = await self._hand_over(msg, delivery, processed, action)
-            if isinstance(action, DeadLetter):
-                self.failpoints.hit("after_dead_letter_before_term")
-                await msg.term()
-            elif isinstance(action, Nak):
-                await msg.nak(delay=action.delay_s)
-            else:
-                self.failpoints.hit("after_commit_before_ack")
-                await msg.ack()
+            await self._execute(msg, processed, action)
+        except ChargeWorkerError as error:  # the dead letter or the copy was not stored
+            # a requeue left undone is picked up by the advisory and by reconcile
+            log.error("dlq.write_failed", action=describe(action)["action"], error=str(error))
+            action = Nak(self.settings.nats.ack_wait_s)
+            await self.pipeline.tell(processed, action)
+            await self._execute(msg, processed, action)
+        return action
+
+    async def _execute(self, msg: Message, processed: Processed, action: Action) -> None:
+        """Tell JetStream `action`. A dead letter or a fresh copy is stored first: when it
+        cannot be, `ChargeWorkerError` is raised and the message is left untouched."""
+        delivery = processed.delivery
+        try:
+            match action:
+                case Ack():
+                    self.failpoints.hit("after_commit_before_ack")
+                    await msg.ack()
+                case Nak(delay_s=delay_s):
+                    await msg.nak(delay=delay_s)
+                case DeadLetter(reason=reason):
+                    await self.dead_letters.write(
+                        msg.data,
+                        reason=reason,
+                        error=processed.result.error or reason,
+                        stream_seq=delivery.stream_seq,
+                        num_delivered=delivery.num_delivered,
+                        original=msg.headers,
+                    )
+                    self.metrics.dead_letters.labels(reason).inc()
+                    self.failpoints.hit("after_dead_letter_before_term")
+                    await msg.term()
+                case Requeue():
+                    seq = await self.dead_letters.requeue(
+                        msg.data, msg.headers, from_seq=delivery.stream_seq
+                    )
+                    self.metrics.requeues.inc()
+                    await self.pipeline.requeued(processed, seq)
+                    self.failpoints.hit("after_commit_before_ack")
+                    await msg.ack()
+                case _:
+                    assert_never(action)
         except nats.errors.Error as error:
             # the connection is down: JetStream redelivers after AckWait; the ledger decides
             log.warning("consumer.settle_failed", error=repr(error))
-        return action
 
-    async def _hand_over(
-        self, msg: Msg, delivery: Delivery, processed: Processed, action: DeadLetter | Requeue
-    ) -> Action:
-        """Write the dead letter, or the fresh copy whose deliveries are unspent."""
-        try:
-            if isinstance(action, Requeue):
-                seq = await self.dead_letters.requeue(
-                    msg.data, msg.headers, from_seq=delivery.stream_seq
-                )
-                self.metrics.requeues.inc()
-                await self.pipeline.requeued(processed, seq)
-                return action
-            await self.dead_letters.write(
-                msg.data,
-                reason=action.reason,
-                error=processed.result.error or action.reason,
-                stream_seq=delivery.stream_seq,
-                num_delivered=delivery.num_delivered,
-                original=msg.headers,
-            )
-        except ChargeWorkerError as error:
-            # a requeue left undone is picked up by the advisory and by reconcile
-            log.error("dlq.write_failed", action=describe(action)["action"], error=str(error))
-            return Nak(self.settings.nats.ack_wait_s)
-        self.metrics.dead_letters.labels(action.reason).inc()
-        return action
-
-    def _account(
-        self, delivery: Delivery, processed: Processed, action: Action, seconds: float
-    ) -> None:
+    def _account(self, processed: Processed, action: Action, seconds: float) -> None:
+        delivery = processed.delivery
         outcome, described = processed.result.outcome, describe(action)
         self.metrics.messages.labels(outcome.value, str(described["action"])).inc()
         self.metrics.processing.observe(seconds)
@@ -250,18 +296,7 @@ class Consumer:
         )
 
 
-async def conclude(pipeline: Pipeline, processed: Processed, policy: Policy) -> Action:
-    """Decide what a processed delivery comes to, and record it; decide again when the
-    ledger refused to write the final state found (another worker owns the charge now)."""
-    action = decide(processed.result, processed.delivery.num_delivered, policy)
-    if (refused := await pipeline.record(processed, action)) is not None:
-        processed.result = refused
-        action = decide(refused, processed.delivery.num_delivered, policy)
-        await pipeline.record(processed, action)
-    return action
-
-
-def _delivery(msg: Msg) -> Delivery:
+def _delivery(msg: Message) -> Delivery:
     stream_seq, num_delivered = position(msg)
     headers = msg.headers or {}
     return Delivery(
@@ -273,7 +308,7 @@ def _delivery(msg: Msg) -> Delivery:
     )
 
 
-def position(msg: Msg) -> tuple[int, int]:
+def position(msg: Message) -> tuple[int, int]:
     """The message's stream sequence and delivery count, read off its ack subject:
     `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.…` (9 tokens), or with a domain
     and an account hash after `ACK` (11 or more). `msg.metadata` parses the same subject

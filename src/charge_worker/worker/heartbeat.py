@@ -5,13 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Protocol
 
 import nats.errors
-from nats.aio.msg import Msg
 
 from charge_worker.worker.metrics import Metrics
 
 TICKS_PER_INTERVAL = 4
+
+
+class InProgress(Protocol):
+    """A message that can say it is still being worked on (nats-py's `Msg` can)."""
+
+    async def in_progress(self) -> None: ...
 
 
 class Heartbeats:
@@ -29,7 +35,7 @@ class Heartbeats:
         self.beating: set[Beat] = set()
         self.timer: asyncio.TimerHandle | None = None
 
-    def start(self, msg: Msg) -> Beat:
+    def start(self, msg: InProgress) -> Beat:
         beat = Beat(msg, time.monotonic())
         self.beating.add(beat)
         if self.timer is None:
@@ -53,7 +59,7 @@ class Heartbeats:
                 beat.last = now
         self.timer = loop.call_later(self.tick_s, self._tick) if self.beating else None
 
-    async def _send(self, msg: Msg) -> None:
+    async def _send(self, msg: InProgress) -> None:
         with contextlib.suppress(nats.errors.Error):
             await msg.in_progress()
             self.metrics.heartbeats.inc()
@@ -64,7 +70,7 @@ class Beat:
 
     __slots__ = ("last", "msg", "sending", "started")
 
-    def __init__(self, msg: Msg, started: float) -> None:
+    def __init__(self, msg: InProgress, started: float) -> None:
         self.msg = msg
         self.started = self.last = started
         self.sending: asyncio.Task[None] | None = None

@@ -1,24 +1,35 @@
-"""What happens to one delivery: parse, claim, look up, score, charge; then record it.
+"""One delivery, from its bytes to the action JetStream is told: the one way through.
 
-`process` turns a delivery into a `Processed`: its result, and the final state it found for
-the charge (a `Settlement`) still to be written. `decisions.decide` maps the result to an
-action, and `record` is the one place that writes what the delivery came to: the final
-state, or staying pending, or giving up, each with the delivery's event, in one statement.
-Neither touches the message itself (consumer.py does).
+`Pipeline.conclude(delivery, policy)` is the whole of it, in order:
 
-The claim in the ledger comes before any side effect; the gateway's idempotency key is the
-second barrier; a row whose earlier gateway call may have charged with no outcome recorded
-(one is counted, or the lease taken over may have died mid-call) is looked up before
-anything is sent again. The request that can move money starts only while the claim's
-lease outlives it (`Claim.outlives`, checked by the adapter's `before_send` hook after any
-read or rate-limit wait of its own; a slow delivery renews the lease there, fenced): no
-other write precedes it, and the write that records what the delivery came to also counts
-the call and keeps the verdict it was made under (`Attempted`).
+1. `process`: parse, claim `(order_id, billing_period)` in the ledger, look the key up at
+   the gateway if an earlier call may have charged with no outcome recorded, score, charge.
+   Every error becomes a `Result`; what happened on the way is a frozen `Processed`.
+2. `decisions.decide`: the result -> `Ack | Nak | DeadLetter | Requeue`.
+3. `_record`: what the delivery came to, in one ledger statement with its event: the final
+   state found, or staying pending, or giving up. When the ledger refuses a final state
+   (another worker owns the charge now), the refusal is the result: decided again, told.
+
+It returns a `Concluded` (the `Processed` and its action), and `consumer.py` executes that
+action, once. Nothing here touches the message.
+
+The claim comes before any side effect; the gateway's idempotency key is the second
+barrier; a row whose earlier call may have charged with no outcome recorded (one is
+counted, or the lease taken over may have died mid-call) is looked up before anything is
+sent again. The request that can move money starts only while the claim's lease outlives it
+(`Claim.outlives`, checked by the adapter's `before_send` hook after any read or rate-limit
+wait of its own; a slow delivery renews the lease there, fenced): no other write precedes
+it, and the write that records what the delivery came to also counts the call and keeps the
+verdict it was made under (`Attempted`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -30,8 +41,14 @@ from charge_worker.errors import (
     NoVerdict,
     OutcomeUnknown,
 )
-from charge_worker.gateway import AUTHENTICATION_REQUIRED, CARD_DECLINED, Gateway
-from charge_worker.ledger import Attempted, Claim, Ledger, Scoring, Settlement
+from charge_worker.gateway import (
+    AUTHENTICATION_REQUIRED,
+    CARD_DECLINED,
+    ChargeResult,
+    Gateway,
+    GatewayCharge,
+)
+from charge_worker.ledger import Attempted, Claim, Scoring, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
 from charge_worker.settings import LEASE_RENEWAL_S
@@ -39,7 +56,9 @@ from charge_worker.worker.decisions import (
     Action,
     DeadLetter,
     Outcome,
+    Policy,
     Result,
+    decide,
     describe,
     result_of,
 )
@@ -48,6 +67,7 @@ from charge_worker.worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 UNRECORDED_VERDICT = "charged by a worker that died before recording its verdict"
+_UNFINISHED = Result(Outcome.UNAVAILABLE)  # a draft's result until it has one
 
 
 @dataclass(frozen=True)
@@ -61,33 +81,38 @@ class Delivery:
     replayed: bool = False  # republished from the dead-letter stream by an operator
 
 
-@dataclass
+@dataclass(frozen=True)
 class Processed:
-    """What one delivery came to, and what happened on the way (for `explain`)."""
+    """What one delivery came to, and what happened on the way.
+
+    The typed fields are what the decision, the ledger write and the consumer read; `notes`
+    are the story only (the `delivery` event, for `explain`), never read by logic."""
 
     result: Result
     delivery: Delivery
-    charge: ChargeDue | None = None
-    claim: Claim | None = None
-    settlement: Settlement | None = None  # the final state found, not written yet
-    called: bool = False  # the charge call was sent: a charge may be in flight
+    charge: ChargeDue | None = None  # None: the message is poison
+    claim: Claim | None = None  # None: nothing claimed (poison, a duplicate, a held lease…)
+    settlement: Settlement | None = None  # the final state found, for the ledger write
+    called: bool = False  # the charge request was let go: a charge may be in flight
+    looked_up: bool = False  # the gateway answered a lookup of the key
+    found: GatewayCharge | None = None  # the key's charge that lookup found
+    answer: ChargeResult | None = None  # the gateway's answer to this delivery's charge
     # the verdict the charge was sent (or blocked, or found charged) under, to be kept, and
     # why it was deferred when it was
     verdict: Scoring | None = None
     deferred_reason: str | None = None
-    state_written: bool = False  # the ledger write was made (or refused): events only now
-    notes: dict[str, object] = field(default_factory=dict)
+    notes: Mapping[str, object] = field(default_factory=dict)
 
     def attempted(self) -> Attempted:
         """What the ledger write keeps of this delivery: the calls that may have charged (its
-        own, and its predecessor's when it took over a lease that nobody looked up behind),
-        and the verdict."""
+        own, and its predecessor's when it took over a lease from a worker that died with no
+        call counted, unless a lookup found nothing of it), and the verdict."""
         claim = self.claim
         inherited = (
             claim is not None
             and claim.taken_from is not None
             and claim.gateway_calls == 0
-            and self.notes.get("lookup") != "nothing"
+            and not (self.looked_up and self.found is None)
         )
         return Attempted(self.called + inherited, self.verdict, self.deferred_reason)
 
@@ -106,10 +131,107 @@ class Processed:
         }
 
 
+@dataclass(frozen=True)
+class Concluded:
+    """A delivery's end: what it came to, and the one action the consumer executes."""
+
+    processed: Processed
+    action: Action
+
+
+class LedgerPort(Protocol):
+    """What the pipeline needs of the ledger: `ledger.Ledger` (PostgreSQL) in production,
+    `tests/support/fakes.InMemoryLedger` in unit tests. The rules are `ledger.py`'s."""
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The monotonic clock a claim's `lease_deadline` is dated on."""
+
+    async def claim(
+        self, charge: ChargeDue, owner: str, stream_seq: int, *, revive_failed: bool = False
+    ) -> Claim:
+        """Take the charge, or raise what stands in the way (`AlreadySettled`,
+        `PayloadConflict`, `LeaseHeld`, `Unverified`)."""
+
+    async def extend(self, claim: Claim) -> Claim:
+        """Renew the lease (fenced); `LeaseHeld` if it was taken over."""
+
+    async def settle(
+        self,
+        claim: Claim,
+        settlement: Settlement,
+        *,
+        story: Mapping[str, object] | None,
+        attempted: Attempted = ...,
+    ) -> None:
+        """Write a final state (fenced); `LeaseHeld`, nothing written, if no longer ours."""
+
+    async def retry_later(
+        self,
+        claim: Claim,
+        error: str,
+        *,
+        keep_lease: bool,
+        story: Mapping[str, object] | None = None,
+        attempted: Attempted = ...,
+    ) -> None:
+        """Stay pending (fenced); the lease kept while a call may be in flight."""
+
+    async def give_up(
+        self,
+        claim: Claim,
+        error: str,
+        *,
+        story: Mapping[str, object] | None = None,
+        attempted: Attempted = ...,
+    ) -> None:
+        """Out of deliveries (fenced): `failed` if never sent, else left for reconcile."""
+
+    async def tell(self, charge: ChargeDue, owner: str, story: Mapping[str, object]) -> None:
+        """Append a `delivery` event that no ledger write carried."""
+
+    async def published(self, order_id: int, billing_period: dt.date, stream_seq: int) -> None:
+        """A fresh copy of the charge's message went out at `stream_seq`."""
+
+
+@dataclass
+class _Draft:
+    """A `Processed` while it is being found out: written step by step, frozen when done."""
+
+    delivery: Delivery
+    result: Result = _UNFINISHED
+    charge: ChargeDue | None = None
+    claim: Claim | None = None
+    settlement: Settlement | None = None
+    called: bool = False
+    looked_up: bool = False
+    found: GatewayCharge | None = None
+    answer: ChargeResult | None = None
+    verdict: Scoring | None = None
+    deferred_reason: str | None = None
+    notes: dict[str, object] = field(default_factory=dict)
+
+    def freeze(self) -> Processed:
+        return Processed(
+            self.result,
+            self.delivery,
+            self.charge,
+            self.claim,
+            self.settlement,
+            self.called,
+            self.looked_up,
+            self.found,
+            self.answer,
+            self.verdict,
+            self.deferred_reason,
+            self.notes,
+        )
+
+
 class Pipeline:
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: LedgerPort,
         gateway: Gateway,
         scoring: ScoringClient,
         *,
@@ -124,9 +246,20 @@ class Pipeline:
         self.owner = owner
         self.failpoints = failpoints
 
+    async def conclude(self, delivery: Delivery, policy: Policy) -> Concluded:
+        """The one way through a delivery: process it, decide, record; see the module."""
+        processed = await self.process(delivery)
+        action = decide(processed.result, delivery.num_delivered, policy)
+        if (refused := await self._record(processed, action)) is not None:
+            # the final state found was not written: what stood in the way is the result
+            processed = dataclasses.replace(processed, result=refused, settlement=None)
+            action = decide(refused, delivery.num_delivered, policy)
+            await self.tell(processed, action)
+        return Concluded(processed, action)
+
     async def process(self, delivery: Delivery) -> Processed:
         """Run one delivery to a result. Nothing escapes: errors become results."""
-        done = Processed(Result(Outcome.UNAVAILABLE), delivery)
+        done = _Draft(delivery)
         try:
             done.charge = parse(delivery.data)
             # the delivery's lines name the charge from here on (consumer.py unbinds them)
@@ -149,67 +282,32 @@ class Pipeline:
             done.result = Result(
                 Outcome.CRASHED, error=f"unexpected: {error!r}", call_in_flight=done.called
             )
-        return done
+        return done.freeze()
 
-    async def record(self, done: Processed, action: Action) -> Result | None:
-        """Write what this delivery came to, with its event, in one statement.
-
-        A final state found goes with an ack or dead letter; a retry stays pending (the
-        lease kept while a call may be in flight); the last delivery gives up. Returns the
-        result that replaces `done.result` when the ledger refused to write a final state
-        (decide again, then record that); else None. Once the state is written (or refused),
-        a later call for the same delivery only appends its event.
-        """
-        if done.charge is None:  # poison: no charge to tell the story of
-            return None
-        story = done.story(action)
-        if done.claim is not None and not done.state_written:
-            done.state_written = True
-            try:
-                with tracing.span("charge.settle"):
-                    await self._write(done, done.claim, action, story)
-            except ChargeWorkerError as error:
-                if done.settlement is not None:
-                    done.settlement = None
-                    return result_of(error)
-                # nothing final was lost: the lease expires by itself, a redelivery goes on
-                log.warning("ledger.write_failed", error=str(error))
-            else:
-                return None
-        try:
-            await self.ledger.tell(done.charge, self.owner, story)
-        except ChargeWorkerError as error:
-            log.warning("events.write_failed", error=str(error))
-        return None
-
-    async def requeued(self, done: Processed, stream_seq: int) -> None:
-        """The message went back to the stream as a fresh copy at `stream_seq`."""
-        if done.charge is None:
+    async def tell(self, processed: Processed, action: Action) -> None:
+        """Append the delivery's event for an action no ledger write carried: nothing was
+        claimed, the write was refused, or the consumer did something else than decided (a
+        dead letter or a fresh copy it could not write became a nak)."""
+        if processed.charge is None:  # poison: no charge to tell the story of
             return
         try:
-            await self.ledger.published(
-                done.charge.order_id, done.charge.billing_period, stream_seq
-            )
+            await self.ledger.tell(processed.charge, self.owner, processed.story(action))
+        except ChargeWorkerError as error:
+            log.warning("events.write_failed", error=str(error))
+
+    async def requeued(self, processed: Processed, stream_seq: int) -> None:
+        """The message went back to the stream as a fresh copy at `stream_seq`."""
+        if processed.charge is None:
+            return
+        charge = processed.charge
+        try:
+            await self.ledger.published(charge.order_id, charge.billing_period, stream_seq)
         except ChargeWorkerError as error:  # reconcile then looks the charge up: no loss
             log.warning("ledger.write_failed", error=str(error))
 
-    async def _write(
-        self, done: Processed, claim: Claim, action: Action, story: dict[str, object]
-    ) -> None:
-        attempted = done.attempted()
-        if done.settlement is not None:
-            await self.ledger.settle(claim, done.settlement, story=story, attempted=attempted)
-        elif isinstance(action, DeadLetter):
-            why = f"dead-lettered: {action.reason}"
-            await self.ledger.give_up(claim, why, story=story, attempted=attempted)
-        else:
-            error = done.result.error or done.result.outcome.value
-            keep = done.result.call_in_flight
-            await self.ledger.retry_later(
-                claim, error, keep_lease=keep, story=story, attempted=attempted
-            )
+    # ---- 1. process -------------------------------------------------------------------------
 
-    async def _charge(self, done: Processed, charge: ChargeDue, claim: Claim) -> Result:
+    async def _charge(self, done: _Draft, charge: ChargeDue, claim: Claim) -> Result:
         if claim.outcome_unknown:
             with tracing.span("charge.lookup"):
                 found = await self._look_up(done, charge)
@@ -235,7 +333,40 @@ class Pipeline:
         done.verdict, done.deferred_reason = scoring, deferred_reason
         return await self._call_gateway(done, charge)
 
-    async def _score(self, done: Processed, charge: ChargeDue) -> Verdict | ScoringFailure:
+    async def _look_up(self, done: _Draft, charge: ChargeDue) -> Result | None:
+        """What the gateway already did for this key, as a result to settle; None if nothing."""
+        listed = await self.gateway.lookup(
+            charge.order_id, charge.billing_period, customer_id=charge.customer_id
+        )
+        done.looked_up = True
+        # found by metadata, which anyone with the account's key can set: only a charge with
+        # the period's fingerprint is the period's; the rest is for a person (reconcile
+        # reports it as unmatched), and the due charge goes ahead
+        found = [c for c in listed if c.fingerprint == charge.fingerprint]
+        if unmatched := [c.id for c in listed if c.fingerprint != charge.fingerprint]:
+            done.notes["unmatched"] = unmatched
+            log.warning("charge.unmatched_found", charges=unmatched)
+        # a charge refunded since was made all the same: record it, never charge again
+        if charged := [c for c in found if c.captured] or [c for c in found if c.charged]:
+            done.found = charged[0]
+            done.settlement = Settlement("succeeded", charge_id=charged[0].id)
+            return Result(Outcome.CHARGED)
+        if processing := [c for c in found if c.processing]:  # the bank settles it: wait
+            done.found = processing[0]
+            done.settlement = Settlement("processing", charge_id=processing[0].id)
+            return Result(Outcome.PROCESSING)
+        if failed := [c for c in found if c.status == "failed"]:
+            done.found = failed[-1]
+            code = failed[-1].decline_code
+            kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
+            self.metrics.declines.labels(kind).inc()
+            done.settlement = Settlement(
+                "declined", error=f"{code or 'declined'} (found by lookup)", decline_code=code
+            )
+            return Result(Outcome.DECLINED)
+        return None
+
+    async def _score(self, done: _Draft, charge: ChargeDue) -> Verdict | ScoringFailure:
         verdict = await self.scoring.score(
             order_id=charge.order_id,
             customer_id=charge.customer_id,
@@ -255,7 +386,7 @@ class Pipeline:
         self.failpoints.hit("after_scoring")
         return verdict
 
-    async def _call_gateway(self, done: Processed, charge: ChargeDue) -> Result:
+    async def _call_gateway(self, done: _Draft, charge: ChargeDue) -> Result:
         renewing = False
 
         async def before_send() -> None:
@@ -278,6 +409,7 @@ class Pipeline:
             if error.outcome == Outcome.REJECTED:
                 done.settlement = Settlement("failed", error=str(error))
             raise
+        done.answer = answer
         self._gateway_answered(done, answer.status)
         done.notes.update(charge_id=answer.charge_id, replayed=answer.replayed or None)
         self.failpoints.hit("after_gateway_response_before_commit")
@@ -294,7 +426,7 @@ class Pipeline:
         )
         return Result(Outcome.DECLINED)
 
-    async def _keep_lease(self, done: Processed, call_s: float) -> None:
+    async def _keep_lease(self, done: _Draft, call_s: float) -> None:
         """Right before the request that can move money: the lease must outlive that request
         (and the margin), whatever came before it (scoring, a lookup, the adapter's reads,
         rate-limit waits). Renew it (fenced) when it no longer does, and send nothing when
@@ -309,36 +441,45 @@ class Pipeline:
                 retry_after_s=LEASE_RENEWAL_S,
             )
 
-    def _gateway_answered(self, done: Processed, label: str) -> None:
+    def _gateway_answered(self, done: _Draft, label: str) -> None:
         done.notes["gateway"] = label
         self.metrics.gateway_calls.labels(label).inc()
 
-    async def _look_up(self, done: Processed, charge: ChargeDue) -> Result | None:
-        """What the gateway already did for this key, as a result to settle; None if nothing."""
-        listed = await self.gateway.lookup(
-            charge.order_id, charge.billing_period, customer_id=charge.customer_id
-        )
-        # found by metadata, which anyone with the account's key can set: only a charge with
-        # the period's fingerprint is the period's; the rest is for a person (reconcile
-        # reports it as unmatched), and the due charge goes ahead
-        found = [c for c in listed if c.fingerprint == charge.fingerprint]
-        if unmatched := [c.id for c in listed if c.fingerprint != charge.fingerprint]:
-            done.notes["unmatched"] = unmatched
-            log.warning("charge.unmatched_found", charges=unmatched)
-        # a charge refunded since was made all the same: record it, never charge again
-        charged = [c for c in found if c.captured] or [c for c in found if c.charged]
-        if charged:
-            done.settlement = Settlement("succeeded", charge_id=charged[0].id)
-            return Result(Outcome.CHARGED)
-        if processing := [c for c in found if c.processing]:  # the bank settles it: wait
-            done.settlement = Settlement("processing", charge_id=processing[0].id)
-            return Result(Outcome.PROCESSING)
-        if failed := [c for c in found if c.status == "failed"]:
-            code = failed[-1].decline_code
-            kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
-            self.metrics.declines.labels(kind).inc()
-            done.settlement = Settlement(
-                "declined", error=f"{code or 'declined'} (found by lookup)", decline_code=code
-            )
-            return Result(Outcome.DECLINED)
+    # ---- 3. record ----------------------------------------------------------------------------
+
+    async def _record(self, processed: Processed, action: Action) -> Result | None:
+        """Write what this delivery came to, with its event, in one statement: a final state
+        found (with an ack or a dead letter), staying pending (the lease kept while a call
+        may be in flight), or giving up (a dead letter). Returns what stood in the way when
+        the ledger did not write a final state found (another worker owns the charge now, or
+        the ledger is away); None otherwise."""
+        claim = processed.claim
+        if claim is None:  # nothing claimed: only the event can be written
+            await self.tell(processed, action)
+            return None
+        story = processed.story(action)
+        attempted = processed.attempted()
+        try:
+            with tracing.span("charge.settle"):
+                if processed.settlement is not None:
+                    await self.ledger.settle(
+                        claim, processed.settlement, story=story, attempted=attempted
+                    )
+                elif isinstance(action, DeadLetter):
+                    why = f"dead-lettered: {action.reason}"
+                    await self.ledger.give_up(claim, why, story=story, attempted=attempted)
+                else:
+                    await self.ledger.retry_later(
+                        claim,
+                        processed.result.error or processed.result.outcome.value,
+                        keep_lease=processed.result.call_in_flight,
+                        story=story,
+                        attempted=attempted,
+                    )
+        except ChargeWorkerError as error:
+            if processed.settlement is not None:
+                return result_of(error)
+            # nothing final was lost: the lease expires by itself, a redelivery goes on
+            log.warning("ledger.write_failed", error=str(error))
+            await self.tell(processed, action)
         return None
