@@ -485,6 +485,28 @@ async def test_a_message_is_stored_in_the_configured_stream_or_not_at_all(
     assert (await js.stream_info(other.name)).state.messages == 0
 
 
+async def test_a_subject_no_stream_holds_fails_each_charge_with_the_reason(
+    nc: Client, nats_settings: NatsSettings, database_url: str
+) -> None:
+    """No stream answers (a 503 status, not an ack): each charge is tried again up to the
+    horizon, then reported with why; its row stays unpublished for the next run."""
+    cfg = nats_settings.model_copy(update={"publish_retry_horizon_s": 0.3})
+    await add_subscriptions(database_url, Sub("sub_1", 1), Sub("sub_2", 2))
+
+    summary = Summary(DAY)
+    async with connected(database_url) as conn:
+        await schedule(conn, DAY, summary, publisher=Publisher(conn, nc, cfg, summary))
+
+    assert (summary.scheduled, summary.published, summary.deduplicated) == (2, 0, 0)
+    assert [(f.key, f.reason) for f in summary.failed] == [
+        (f"{n}:2026-12-01", "not stored after 0.3s of retries: nats: no response from stream")
+        for n in (1, 2)
+    ]
+    assert await attempts(database_url) == dict.fromkeys(
+        keys_of((1, "2026-12-01"), (2, "2026-12-01")), ("scheduled", False)
+    )
+
+
 async def test_a_lost_connection_fails_at_once_and_leaves_the_rest_scheduled(
     nats_settings: NatsSettings, database_url: str
 ) -> None:

@@ -12,9 +12,10 @@ Two ways in:
   window's acked rows are then marked in one statement, outside any transaction that spans
   the publish.
 
-Publishes go out `WINDOW` at a time, written as one buffer of protocol commands and replying
-to one inbox, and their acks are awaited together. One at a time, a publish and three
-statements per row held a month's run to a few hundred charges a second.
+Publishes go out `WINDOW` at a time, each replying to its own subject under one inbox, and
+their acks are awaited together. One at a time, a publish and three statements per row held
+a month's run to a few hundred charges a second. nats-py's `publish_async` does the same
+with as much work again per message (docs/decisions/0003-producer-publish.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -43,9 +43,6 @@ from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
 from charge_worker.settings import NatsSettings
 
 DEFAULT_SUBJECT = "charges.due"
-_NOT_A_NAME = re.compile(r"\s|^$")  # a subject or stream that would break a protocol line
-# a stream's usual answer to a publish, read without a JSON parser (anything else is parsed)
-_STORED = re.compile(rb'\{"stream":"([^"\\]+)","seq":(\d+)(,"duplicate":true)?\}')
 BATCH = 5000  # rows per read
 WINDOW = 1000  # publishes awaiting their acks at once
 PUBLISH_TIMEOUT_S = 5.0
@@ -274,8 +271,8 @@ async def _publish_all(
 
 class _Acks:
     """One window's publishes, each replying to its own subject under one inbox, and the
-    acks that come back: what `publish_async` does, without its future, semaphore and nuid
-    per message, which cost more than the publish itself."""
+    acks that come back: what `publish_async` does, without its future, semaphore, nuid and
+    random token per message, which cost about as much again as the publish (ADR 0003)."""
 
     def __init__(self, size: int) -> None:
         self.acks: list[PubAck | None] = [None] * size
@@ -293,7 +290,13 @@ class _Acks:
         with contextlib.suppress(nats.errors.Error, TimeoutError):  # the rest: one by one
             sub = await nc.subscribe(f"{inbox}.*", cb=window.on_reply)
             try:
-                await _send_commands(nc, _commands(cfg, inbox, outgoing))
+                for i, o in enumerate(outgoing):
+                    await nc.publish(
+                        cfg.subject,
+                        o.charge.to_json(),
+                        reply=f"{inbox}.{i}",
+                        headers=_headers(o, cfg.stream),
+                    )
                 await asyncio.wait_for(window.all_in.wait(), PUBLISH_TIMEOUT_S)
             finally:
                 with contextlib.suppress(nats.errors.Error):
@@ -301,58 +304,26 @@ class _Acks:
         return window.acks
 
     async def on_reply(self, msg: Msg) -> None:
-        try:
-            i = int(msg.subject.rpartition(".")[2])
-            ack = _ack(msg.data)
-        except (ValueError, KeyError, TypeError):  # no stream answered (a 503 status)
-            return
-        if ack is not None and 0 <= i < len(self.acks) and self.acks[i] is None:
+        i = int(msg.subject.rpartition(".")[2])
+        ack = stored(msg.data)
+        if ack is not None and self.acks[i] is None:
             self.acks[i] = ack
             self.waiting -= 1
             if self.waiting == 0:
                 self.all_in.set()
 
 
-def _ack(data: bytes) -> PubAck | None:
-    """The stream's ack in a reply; None when it refused the message (its answer may name
-    the stream all the same). Raises when no stream answered (an empty 503 status)."""
-    if stored := _STORED.fullmatch(data):
-        return PubAck(stored[1].decode(), int(stored[2]), duplicate=True if stored[3] else None)
-    answer = json.loads(data)
-    if "error" in answer:
+def stored(answer: bytes) -> PubAck | None:
+    """The stream's ack in a reply to a publish, read as `JetStreamContext.publish` reads
+    it; None when the stream refused the message (its answer may name the stream all the
+    same) or no stream answered (a 503 status, no body)."""
+    try:
+        reply = json.loads(answer)
+        if not isinstance(reply, dict) or "error" in reply:
+            return None
+        return PubAck.from_response(reply)
+    except (ValueError, TypeError):  # not JSON; no stream or sequence
         return None
-    return PubAck(answer["stream"], answer["seq"], duplicate=answer.get("duplicate"))
-
-
-def _commands(cfg: NatsSettings, inbox: str, outgoing: list[Outgoing]) -> bytes:
-    """The window's messages as the NATS protocol's HPUB commands, message i replying to
-    `<inbox>.i`, with the headers `_headers` gives (the same bytes nats-py would write)."""
-    if _NOT_A_NAME.search(cfg.subject) or _NOT_A_NAME.search(cfg.stream):
-        raise nats.errors.BadSubjectError
-    start = f"HPUB {cfg.subject} {inbox}."
-    expected = f"NATS/1.0\r\n{Header.EXPECTED_STREAM.value}: {cfg.stream}\r\nNats-Msg-Id: "
-    commands = []
-    for i, o in enumerate(outgoing):
-        trace = f"traceparent: {o.traceparent}\r\n" if o.traceparent else ""
-        head = f"{expected}{o.charge.msg_id}\r\n{trace}\r\n".encode()
-        body = o.charge.to_json()
-        commands.append(f"{start}{i} {len(head)} {len(head) + len(body)}\r\n".encode())
-        commands += (head, body, b"\r\n")
-    return b"".join(commands)
-
-
-async def _send_commands(nc: NATS, commands: bytes) -> None:
-    """Write prepared commands and flush them (a closed connection fails the flush).
-
-    nats-py has no call that takes messages ready to send: its `publish` checks the
-    subject and each header of every message and encodes them one by one, a large share of
-    the producer's own work at a month start, for values that need no checking. Every value
-    in these commands is this module's own: the configured subject, a key made of an
-    integer and a date, and a traceparent the ledger's check holds to W3C's shape.
-    `_send_command` is the method nats-py's `publish` ends in (the lock pins nats-py; the
-    producer's tests read back every message it writes)."""
-    await nc._send_command(commands)
-    await nc.flush(round(PUBLISH_TIMEOUT_S))
 
 
 async def mark_published(
@@ -448,8 +419,7 @@ def _charge_attributes(charge: ChargeDue) -> dict[str, str | int]:
 
 
 def _headers(outgoing: Outgoing, stream: str) -> dict[str, str]:
-    """The message's headers (`_commands` writes the same): it may be stored in `stream`
-    only."""
+    """The message's headers: it may be stored in `stream` only."""
     headers = {Header.EXPECTED_STREAM: stream, "Nats-Msg-Id": outgoing.charge.msg_id}
     if outgoing.traceparent:
         headers["traceparent"] = outgoing.traceparent
