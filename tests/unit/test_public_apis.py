@@ -39,14 +39,6 @@ HANDLES = {"nc", "js", "nats", "jetstream", "_nc", "_js"}
 METRIC_HANDLES = {"metrics", "registry"}
 KNOWN_PRIVATE = "_send_command"
 
-# What is allowed still, by file (relative to src/charge_worker) and the exact finding.
-# Each entry is one use, not the file: any other private name in the same file still fails.
-ALLOWED = {
-    # the producer's batch publish writes prepared HPUB commands through nats-py's private
-    # `_send_command`; its removal is under way (issue 35): drop this entry when it lands
-    ("producer/publish.py", "attribute _send_command"),
-}
-
 
 @dataclass(frozen=True)
 class Finding:
@@ -141,9 +133,7 @@ def test_no_module_uses_a_private_name_of_nats_or_prometheus_client() -> None:
     offending: list[str] = []
     for path in sorted(ROOT.rglob("*.py")):
         where = path.relative_to(ROOT).as_posix()
-        offending += [
-            f"{where} {f}" for f in findings(path.read_text()) if (where, f.what) not in ALLOWED
-        ]
+        offending += [f"{where} {f}" for f in findings(path.read_text())]
     assert not offending, "private names of a dependency:\n" + "\n".join(offending)
 
 
@@ -191,17 +181,3 @@ def test_a_private_name_is_found(source: str, what: str) -> None:
 )
 def test_public_names_and_own_privates_pass(source: str) -> None:
     assert findings(source) == []
-
-
-def test_an_allowed_use_covers_only_itself() -> None:
-    """The producer's entry lets its `_send_command` pass; a fresh private import in the
-    same file still fails."""
-    source = (
-        "from prometheus_client.utils import floatToGoString\n"
-        "async def send(nc, commands):\n"
-        "    await nc._send_command(commands)\n"
-    )
-    left = [f for f in findings(source) if ("producer/publish.py", f.what) not in ALLOWED]
-    assert [f.what for f in left] == [
-        "import of prometheus_client internal module prometheus_client.utils"
-    ]
