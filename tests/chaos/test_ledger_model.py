@@ -66,7 +66,6 @@ from charge_worker.ledger import Ledger
 from charge_worker.messages import ChargeDue
 from charge_worker.scoring import ScoringFailure, Verdict
 from charge_worker.settings import LEASE_MARGIN_S
-from charge_worker.worker.consumer import conclude
 from charge_worker.worker.decisions import Ack, Action, DeadLetter, Outcome, Policy, Requeue
 from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
@@ -193,8 +192,8 @@ class FakeGateway:
 
 async def _consume(pipeline: Pipeline, delivery: Delivery) -> tuple[Processed, Action]:
     """What a consumer does with one delivery, up to telling JetStream: process, decide, record."""
-    processed = await pipeline.process(delivery)
-    return processed, await conclude(pipeline, processed, POLICY)
+    concluded = await pipeline.conclude(delivery, POLICY)
+    return concluded.processed, concluded.action
 
 
 @dataclasses.dataclass(eq=False, repr=False)
