@@ -6,9 +6,10 @@ worker's name, and on a delivery's lines `stream_seq`, `delivery`, `order_id` an
 `billing_period` until its one canonical `charge.settled` line; while a span is being
 recorded (see `tracing`), `trace_id` and `span_id`.
 
-The bound fields are one context variable holding a mapping, replaced on each `bind`:
-structlog's own contextvars set a variable per field and walk the whole context on every
-line, a cost paid twice per charge.
+The bound fields are structlog's context variables (`structlog.contextvars`), merged into
+every line, structlog's and the standard library's alike; a line's own field wins over a
+bound one. They belong to the task: a task started after a `bind` carries its fields, a
+task's binds never reach its parent or a sibling. The clock is structlog's `TimeStamper`.
 
 The standard library's loggers (uvicorn, asyncio, nats, asyncpg, the stripe SDK, warnings)
 reach the same processors and renderer through structlog's stdlib bridge
@@ -19,13 +20,10 @@ machinery's cost.
 
 from __future__ import annotations
 
-import functools
+import contextvars
 import logging
 import sys
-import time
-from collections.abc import Callable, Mapping, MutableMapping
-from contextvars import ContextVar, Token
-from types import MappingProxyType
+from collections.abc import Callable, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -35,9 +33,11 @@ from charge_worker import json_text, tracing
 from charge_worker.settings import LogSettings
 
 DEFAULT_LOGGER = "charge_worker"
-_BOUND: ContextVar[Mapping[str, Any]] = ContextVar(
-    "charge_worker_log_fields", default=MappingProxyType({})
-)
+# ISO 8601 in UTC to the microsecond, always six digits (`fmt="iso"` drops them when zero)
+TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+Bound = contextvars.Context
+"""What `bind` returns and `unbind` takes: the context as it was before that `bind`."""
 
 
 class _NamedWriter(structlog.WriteLogger):
@@ -57,41 +57,22 @@ class _NamedWriterFactory:
         return _NamedWriter(self.file, name)
 
 
-def bind(**fields: Any) -> Token[Mapping[str, Any]]:
+def bind(**fields: Any) -> Bound:
     """Put `fields` on every later line of this task and of the tasks it starts; `unbind`
-    with the token takes them off again."""
-    return _BOUND.set({**_BOUND.get(), **fields})
+    with what it returns takes them off again."""
+    # a context's copy is a snapshot read only by `unbind`: most binds are never unbound
+    # (their task ends), so none pays for reading it
+    before = contextvars.copy_context()
+    structlog.contextvars.bind_contextvars(**fields)
+    return before
 
 
-def unbind(token: Token[Mapping[str, Any]]) -> None:
-    """The fields bound as they were before the `bind` that gave `token`."""
-    _BOUND.reset(token)
-
-
-def add_bound(
-    _logger: WrappedLogger, _method: str, event_dict: EventDict
-) -> MutableMapping[str, Any]:
-    """The fields bound to the task, where the line does not name them itself."""
-    for key, value in _BOUND.get().items():
-        event_dict.setdefault(key, value)
-    return event_dict
-
-
-@functools.lru_cache(maxsize=1)
-def _second_text(second: int) -> str:
-    """The UTC text of one second, made once a second (the cache is safe across threads)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-
-
-def add_timestamp(
-    _logger: WrappedLogger, _method: str, event_dict: EventDict
-) -> MutableMapping[str, Any]:
-    """`timestamp`: UTC, ISO 8601 to the microsecond, as structlog's `TimeStamper(fmt="iso",
-    utc=True)` writes it (`2026-12-01T09:30:00.000123Z`) at a third of its cost."""
-    now = time.time()
-    second = int(now)
-    event_dict["timestamp"] = f"{_second_text(second)}.{int((now - second) * 1e6):06d}Z"
-    return event_dict
+def unbind(before: Bound) -> None:
+    """The fields bound as they were before the `bind` that returned `before`: those bound
+    since without keeping what `bind` returned (the pipeline's `order_id`) come off too."""
+    fields = before.run(structlog.contextvars.get_contextvars)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**fields)
 
 
 def add_trace_ids(
@@ -112,11 +93,11 @@ def configure(cfg: LogSettings) -> None:
         else structlog.dev.ConsoleRenderer()
     )
     shared: list[Processor] = [
-        add_bound,
+        structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
         add_trace_ids,
-        add_timestamp,
+        structlog.processors.TimeStamper(fmt=TIMESTAMP_FORMAT, utc=True),
     ]
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
