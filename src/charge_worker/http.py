@@ -6,8 +6,7 @@ instrumentation (`tracing`), and its exceptions tell a connection never made
 (`httpx.ConnectError`, `ConnectTimeout`: nothing sent) from one lost after sending
 (`ReadError`, `ReadTimeout`, `RemoteProtocolError`). A call is `with breaker: await ...`
 under a hard total deadline (`asyncio.timeout`), because `httpx.Timeout` bounds each phase,
-not the whole call. What this transport costs in CPU, and what would change it:
-docs/decisions/0005-http-client.md.
+not the whole call.
 """
 
 from __future__ import annotations
