@@ -5,7 +5,7 @@ Off unless a variable names where spans go: `OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_TRACES_EXPORTER=none` keep it off). Off, nothing of the SDK is imported and every
 helper here returns at once (`span` a shared null context), so tracing off costs nothing
 measurable. On, `setup` needs the `otel` extra (the SDK, the OTLP/HTTP exporter and the
-httpx client instrumentation); the SDK reads the rest of the `OTEL_*` variables
+aiohttp and httpx client instrumentations); the SDK reads the rest of the `OTEL_*` variables
 itself (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`[`_ARG`],
 `OTEL_EXPORTER_OTLP_*`, `OTEL_BSP_*`).
 
@@ -195,11 +195,15 @@ def uninstall() -> None:
 
 
 def _instrumentors() -> tuple[_Instrumentor, ...]:
-    """The HTTP client's own instrumentation: httpx is the client of scoring and of every
-    gateway adapter, the Stripe SDK's included (http.py)."""
+    """The HTTP clients' own instrumentations. aiohttp: the transport under the gateway and
+    scoring clients (http.py) and under the Stripe SDK; httpx: clients on httpx's own
+    transport. No request passes through both."""
+    from opentelemetry.instrumentation.aiohttp_client import (  # noqa: PLC0415
+        AioHttpClientInstrumentor,
+    )
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor  # noqa: PLC0415
 
-    return (HTTPXClientInstrumentor(),)
+    return AioHttpClientInstrumentor(), HTTPXClientInstrumentor()
 
 
 def shutdown() -> None:

@@ -22,6 +22,7 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import aiohttp
 import httpx
 
 from charge_worker.breaker import BreakerOpen
@@ -105,14 +106,14 @@ class Guarded:
 def never_sent(error: BaseException) -> bool:
     """True when the request cannot have reached the gateway (no connection was made).
 
-    httpx's transport raises `ConnectError` and `ConnectTimeout` only while it connects (TCP,
-    then TLS), before a byte of the request is written; once it is written, a drop or a
-    silence is a `ReadError`, `RemoteProtocolError` or `ReadTimeout`: the outcome unknown. An
-    SDK's error (Stripe's `APIConnectionError`) carries httpx's as its `__cause__`.
+    httpx-aiohttp maps aiohttp's connect failure to `ConnectTimeout`, the same class it uses
+    for a connection dropped after sending, so the aiohttp cause is what tells them apart.
     """
     cause = error.__cause__
-    return isinstance(error, httpx.ConnectError | httpx.ConnectTimeout) or (
-        isinstance(cause, httpx.TransportError) and cause is not error and never_sent(cause)
+    return (
+        isinstance(error, httpx.ConnectError)
+        or isinstance(cause, aiohttp.ClientConnectorError)
+        or (isinstance(cause, httpx.TransportError) and cause is not error and never_sent(cause))
     )
 
 

@@ -1,12 +1,12 @@
-"""stripe-python's HTTP over the project's own client, pooled and limited as every
-dependency's (`http.build_client`).
+"""stripe-python's HTTP over the project's own client: httpx's API on aiohttp's transport,
+pooled and limited as every dependency's (`http.build_client`).
 
 Why not the SDK's own: `stripe.HTTPXClient` builds its own `httpx.AsyncClient` (no pool
 limits, `trust_env` on) and posts the form as `data=<str>`, which httpx 0.28 answers with a
 DeprecationWarning (an error under this project's `filterwarnings=error`, where it became
-an `APIConnectionError` and nothing was sent); `stripe.AIOHTTPClient` brings a second HTTP
-stack (aiohttp). This one sends `content=`, and keeps the transport error as `__cause__`,
-so the adapter can tell a request never sent from an outcome unknown (`guard.never_sent`).
+an `APIConnectionError` and nothing was sent); `stripe.AIOHTTPClient` keeps a session of its
+own. This one sends `content=`, and keeps the transport error as `__cause__`, so the
+adapter can tell a request never sent from an outcome unknown (`guard.never_sent`).
 """
 
 from __future__ import annotations
