@@ -24,7 +24,6 @@ FLOOR = {
     "migrate",
     "display",
     "breaker",
-    "deadline",
     "json_text",
 }
 SHARED = {
