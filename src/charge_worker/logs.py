@@ -1,14 +1,14 @@
 """structlog setup: one line per event on stderr, JSON when not on a terminal, for every logger.
 
 Event names are stable `snake.case` (`charge.settled`, `migrate.applied`). Every line has
-`event`, `level`, `logger` and `timestamp`, plus the fields bound to the task (`bind`): the
-worker's name, and on a delivery's lines `stream_seq`, `delivery`, `order_id` and
-`billing_period` until its one canonical `charge.settled` line; while a span is being
-recorded (see `tracing`), `trace_id` and `span_id`.
+`event`, `level`, `logger` and `timestamp`, plus the fields bound to the task with
+`structlog.contextvars.bind_contextvars`: the worker's name, and on a delivery's lines
+`stream_seq`, `delivery`, `order_id` and `billing_period` (each message is processed in a
+task of its own, so they end with it); while a span is being recorded (see `tracing`),
+`trace_id` and `span_id`.
 
-The bound fields are structlog's context variables (`structlog.contextvars`), merged into
-every line, structlog's and the standard library's alike; a line's own field wins over a
-bound one. They belong to the task: a task started after a `bind` carries its fields, a
+Bound fields are merged into every line, structlog's and the standard library's alike; a
+line's own field wins over a bound one. A task started after a bind carries its fields; a
 task's binds never reach its parent or a sibling. The clock is structlog's `TimeStamper`.
 
 The standard library's loggers (uvicorn, asyncio, nats, asyncpg, the stripe SDK, warnings)
@@ -20,7 +20,6 @@ machinery's cost.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import sys
 from collections.abc import Callable, MutableMapping
@@ -35,9 +34,6 @@ from charge_worker.settings import LogSettings
 DEFAULT_LOGGER = "charge_worker"
 # ISO 8601 in UTC to the microsecond, always six digits (`fmt="iso"` drops them when zero)
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
-
-Bound = contextvars.Context
-"""What `bind` returns and `unbind` takes: the context as it was before that `bind`."""
 
 
 class _NamedWriter(structlog.WriteLogger):
@@ -55,24 +51,6 @@ class _NamedWriterFactory:
     def __call__(self, *args: Any) -> _NamedWriter:
         name = args[0] if args and isinstance(args[0], str) else DEFAULT_LOGGER
         return _NamedWriter(self.file, name)
-
-
-def bind(**fields: Any) -> Bound:
-    """Put `fields` on every later line of this task and of the tasks it starts; `unbind`
-    with what it returns takes them off again."""
-    # a context's copy is a snapshot read only by `unbind`: most binds are never unbound
-    # (their task ends), so none pays for reading it
-    before = contextvars.copy_context()
-    structlog.contextvars.bind_contextvars(**fields)
-    return before
-
-
-def unbind(before: Bound) -> None:
-    """The fields bound as they were before the `bind` that returned `before`: those bound
-    since without keeping what `bind` returned (the pipeline's `order_id`) come off too."""
-    fields = before.run(structlog.contextvars.get_contextvars)
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(**fields)
 
 
 def add_trace_ids(

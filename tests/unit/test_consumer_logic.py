@@ -99,12 +99,6 @@ async def test_a_charge_is_acked_counted_and_told_in_one_canonical_line(world: W
     assert world.metric("charge_worker_redeliveries_total") == 0
 
 
-async def test_the_delivery_context_is_unbound_after_its_canonical_line(world: World) -> None:
-    await handle(world, FakeMessage(due(7).to_json()))
-    bound = structlog.contextvars.get_contextvars()
-    assert not {"order_id", "billing_period", "stream_seq", "delivery"} & bound.keys()
-
-
 async def test_a_retry_is_a_nak_with_its_delay_and_a_redelivery_is_counted(
     world: World,
 ) -> None:

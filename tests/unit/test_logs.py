@@ -56,23 +56,18 @@ def test_stdlib_loggers_write_the_same_json_lines_with_name_and_level(
     json_logs: pytest.CaptureFixture[str],
 ) -> None:
     _configure()
-    bound = logs.bind(stream_seq=7, delivery=2)
+    structlog.contextvars.bind_contextvars(stream_seq=7, delivery=2)
+    structlog.get_logger("charge_worker.worker.consumer").info("charge.settled", outcome="charged")
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    logging.getLogger("nats.aio.client").error("nats: encountered error")
+    logging.getLogger("asyncpg.pool").info("chatter")  # libraries' info lines are left out
     try:
-        structlog.get_logger("charge_worker.worker.consumer").info(
-            "charge.settled", outcome="charged"
-        )
-        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
-        logging.getLogger("nats.aio.client").error("nats: encountered error")
-        logging.getLogger("asyncpg.pool").info("chatter")  # libraries' info lines are left out
-        try:
-            int("boom")
-        except ValueError:
-            logging.getLogger("asyncio").exception("Task exception was never retrieved")
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.warn("careful", UserWarning, stacklevel=1)
-    finally:
-        logs.unbind(bound)
+        int("boom")
+    except ValueError:
+        logging.getLogger("asyncio").exception("Task exception was never retrieved")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("careful", UserWarning, stacklevel=1)
 
     lines = _lines(json_logs)
 
@@ -140,27 +135,24 @@ def test_uvicorn_lines_stay_json_once_the_webhook_server_is_built(
     assert (line["logger"], line["level"]) == ("uvicorn.error", "warning")
 
 
-def test_bound_fields_reach_the_tasks_started_after_and_stay_in_their_task(
+def test_bound_fields_reach_the_tasks_started_after_and_end_with_their_task(
     json_logs: pytest.CaptureFixture[str],
 ) -> None:
     _configure()
     log = structlog.get_logger("charge_worker.test")
 
     async def delivery(seq: int) -> None:
-        bound = logs.bind(stream_seq=seq)
-        try:
-            await asyncio.create_task(child())  # started after the bind: carries it
-            logs.bind(order_id=seq * 10)
-            log.info("settled", stream_seq=-seq)  # a line's own field wins
-        finally:
-            logs.unbind(bound)
-        log.info("after")
+        structlog.contextvars.bind_contextvars(stream_seq=seq)
+        await asyncio.create_task(child())  # started after the bind: carries it
+        structlog.contextvars.bind_contextvars(order_id=seq * 10)
+        log.info("settled", stream_seq=-seq)  # a line's own field wins
 
     async def child() -> None:
         log.info("child")
 
     async def main() -> None:
-        logs.bind(worker="w1")
+        structlog.contextvars.bind_contextvars(worker="w1")
+        # a task of its own for each, as the consumer gives every message
         await asyncio.gather(delivery(1), delivery(2))
         log.info("main")
 
@@ -175,8 +167,6 @@ def test_bound_fields_reach_the_tasks_started_after_and_stay_in_their_task(
             {"event": "child", "worker": "w1", "stream_seq": 2},
             {"event": "settled", "worker": "w1", "stream_seq": -1, "order_id": 10},
             {"event": "settled", "worker": "w1", "stream_seq": -2, "order_id": 20},
-            {"event": "after", "worker": "w1"},
-            {"event": "after", "worker": "w1"},
             {"event": "main", "worker": "w1"},
         ],
         key=str,
@@ -190,14 +180,11 @@ def test_two_concurrent_deliveries_never_see_each_others_fields(
     log = structlog.get_logger("charge_worker.test")
 
     async def delivery(seq: int, both_bound: asyncio.Barrier) -> None:
-        bound = logs.bind(stream_seq=seq, delivery=1)
-        try:
-            await both_bound.wait()  # the other one has bound its own by now
-            logs.bind(order_id=f"o-{seq}")
-            await both_bound.wait()
-            log.info("charge.settled")
-        finally:
-            logs.unbind(bound)
+        structlog.contextvars.bind_contextvars(stream_seq=seq, delivery=1)
+        await both_bound.wait()  # the other one has bound its own by now
+        structlog.contextvars.bind_contextvars(order_id=f"o-{seq}")
+        await both_bound.wait()
+        log.info("charge.settled")
 
     async def main() -> None:
         both_bound = asyncio.Barrier(2)
@@ -209,33 +196,6 @@ def test_two_concurrent_deliveries_never_see_each_others_fields(
         (1, "o-1"),
         (2, "o-2"),
     ]
-
-
-def test_unbind_puts_back_the_fields_as_they_were_before_its_bind(
-    json_logs: pytest.CaptureFixture[str],
-) -> None:
-    _configure()
-    log = structlog.get_logger("charge_worker.test")
-    outer = logs.bind(worker="w1", delivery=1)
-    inner = logs.bind(delivery=2, stream_seq=7)
-    logs.bind(order_id="o-1", worker="w2")  # bound without keeping what bind returned
-    log.info("inner")
-    logs.unbind(inner)
-    log.info("outer")
-    logs.unbind(outer)
-    log.info("none")
-
-    inner_line, outer_line, none_line = _lines(json_logs)
-
-    bound = ("worker", "delivery", "stream_seq", "order_id")
-    assert {k: inner_line[k] for k in bound if k in inner_line} == {
-        "worker": "w2",
-        "delivery": 2,
-        "stream_seq": 7,
-        "order_id": "o-1",
-    }
-    assert {k: outer_line[k] for k in bound if k in outer_line} == {"worker": "w1", "delivery": 1}
-    assert not {k for k in bound if k in none_line}
 
 
 def test_timestamps_are_utc_iso_8601_to_the_microsecond(

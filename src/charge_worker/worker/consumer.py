@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry.trace import Span, StatusCode
 
-from charge_worker import logs, tracing
+from charge_worker import tracing
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
 from charge_worker.messages import valid_traceparent
@@ -187,29 +187,28 @@ class Consumer:
         return False
 
     async def _handle(self, msg: Message, fetched_at: float) -> None:
-        """One message, fetch to ack: concluded by the pipeline under a heartbeat, its action
-        executed once, counted and told in one canonical line; one span, and its lines
-        bound to it until that line."""
+        """One message, fetch to ack, in a task of its own (`run`): concluded by the pipeline
+        under a heartbeat, its action executed once, counted and told in one canonical
+        line; one span, and the task's lines bound to the delivery."""
         delivery = _delivery(msg)
         if delivery.num_delivered > 1:
             self.metrics.redeliveries.inc()
-        bound = logs.bind(stream_seq=delivery.stream_seq, delivery=delivery.num_delivered)
-        try:
-            name = f"process {msg.subject}"
-            attributes = self._span_attributes(msg, delivery) if tracing.enabled() else None
-            with tracing.continued(name, delivery.traceparent, attributes) as span:
-                beat = self.heartbeats.start(msg)
-                try:
-                    # binds order_id and billing_period once the body is parsed
-                    concluded = await self.pipeline.conclude(delivery, self.policy)
-                finally:
-                    self.heartbeats.stop(beat)
-                done = await self._act(msg, concluded)
-                self._account(concluded.processed, done, time.monotonic() - fetched_at)
-                if span.is_recording():
-                    _annotate(span, concluded.processed, done)
-        finally:
-            logs.unbind(bound)
+        # this task's lines name the delivery, and once parsed the charge (`pipeline`)
+        structlog.contextvars.bind_contextvars(
+            stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
+        )
+        name = f"process {msg.subject}"
+        attributes = self._span_attributes(msg, delivery) if tracing.enabled() else None
+        with tracing.continued(name, delivery.traceparent, attributes) as span:
+            beat = self.heartbeats.start(msg)
+            try:
+                concluded = await self.pipeline.conclude(delivery, self.policy)
+            finally:
+                self.heartbeats.stop(beat)
+            done = await self._act(msg, concluded)
+            self._account(concluded.processed, done, time.monotonic() - fetched_at)
+            if span.is_recording():
+                _annotate(span, concluded.processed, done)
 
     def _span_attributes(self, msg: Message, delivery: Delivery) -> tracing.Attributes:
         headers = msg.headers or {}

@@ -5,7 +5,9 @@ worker (`num_delivered > 1`) as a counter: the server's `num_redelivered` is a g
 goes down, so `increase()` over it lies. The registry also carries the process and runtime
 collectors (`process_*`, `python_gc_*`, `python_info`) the client's default registry has.
 Every figure is a stock prometheus_client class, updated through its public calls
-(`.labels(...).inc()`, `.observe()`), as the webhook receiver's are.
+(`.labels(...).inc()`, `.observe()`), as the webhook receiver's are. A labelled counter
+counted on every delivery keeps its children (`Labelled`): `labels()` checks its arguments
+and takes the metric's lock on each call, and a delivery makes four of them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,22 @@ from charge_worker.breaker import Breaker
 PREFIX = "charge_worker"
 
 
+class Labelled:
+    """A labelled `Counter` whose child for each label-value tuple is made once, by the
+    counter's own `labels()`, and kept. Counted from one event loop; the registry reads the
+    counter itself."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.children: dict[tuple[str, ...], Counter] = {}
+
+    def labels(self, *values: str) -> Counter:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = self.counter.labels(*values)
+        return child
+
+
 class Metrics:
     """The worker's figures; `registry` is what its `/metrics` serves."""
 
@@ -33,11 +51,13 @@ class Metrics:
         ProcessCollector(registry=registry)
         GCCollector(registry=registry)
         PlatformCollector(registry=registry)
-        self.messages = Counter(
-            f"{PREFIX}_messages",
-            "Deliveries processed, by outcome and action.",
-            ["outcome", "action"],
-            registry=registry,
+        self.messages = Labelled(
+            Counter(
+                f"{PREFIX}_messages",
+                "Deliveries processed, by outcome and action.",
+                ["outcome", "action"],
+                registry=registry,
+            )
         )
         self.redeliveries = Counter(
             f"{PREFIX}_redeliveries", "Deliveries seen with num_delivered > 1.", registry=registry
@@ -47,51 +67,65 @@ class Metrics:
             "Deliveries of charges already final, absorbed by the ledger claim.",
             registry=registry,
         )
-        self.charges = Counter(
-            f"{PREFIX}_charges", "Charges settled, by result.", ["result"], registry=registry
+        self.charges = Labelled(
+            Counter(
+                f"{PREFIX}_charges", "Charges settled, by result.", ["result"], registry=registry
+            )
         )
-        self.gateway_calls = Counter(
-            f"{PREFIX}_gateway_calls",
-            "Charge calls to the gateway, by result.",
-            ["result"],
-            registry=registry,
+        self.gateway_calls = Labelled(
+            Counter(
+                f"{PREFIX}_gateway_calls",
+                "Charge calls to the gateway, by result.",
+                ["result"],
+                registry=registry,
+            )
         )
-        self.declines = Counter(
-            f"{PREFIX}_declines",
-            "Charges the provider declined, by kind: authentication_required (the bank wants "
-            "the customer present: billing asks them to) or card_declined (any other reason).",
-            ["kind"],
-            registry=registry,
+        self.declines = Labelled(
+            Counter(
+                f"{PREFIX}_declines",
+                "Charges the provider declined, by kind: authentication_required (the bank wants "
+                "the customer present: billing asks them to) or card_declined (any other reason).",
+                ["kind"],
+                registry=registry,
+            )
         )
-        self.scoring = Counter(
-            f"{PREFIX}_scoring",
-            "Scoring calls by result (approve, block, failed_<policy>).",
-            ["result"],
-            registry=registry,
+        self.scoring = Labelled(
+            Counter(
+                f"{PREFIX}_scoring",
+                "Scoring calls by result (approve, block, failed_<policy>).",
+                ["result"],
+                registry=registry,
+            )
         )
-        self.deferred_checks = Counter(
-            f"{PREFIX}_deferred_checks_resolved",
-            "Deferred scoring checks resolved, by verdict.",
-            ["verdict"],
-            registry=registry,
+        self.deferred_checks = Labelled(
+            Counter(
+                f"{PREFIX}_deferred_checks_resolved",
+                "Deferred scoring checks resolved, by verdict.",
+                ["verdict"],
+                registry=registry,
+            )
         )
-        self.dead_letters = Counter(
-            f"{PREFIX}_dead_letters",
-            "Dead letters written, by reason.",
-            ["reason"],
-            registry=registry,
+        self.dead_letters = Labelled(
+            Counter(
+                f"{PREFIX}_dead_letters",
+                "Dead letters written, by reason.",
+                ["reason"],
+                registry=registry,
+            )
         )
         self.requeues = Counter(
             f"{PREFIX}_requeues",
             "Messages out of deliveries for a dependency's fault, republished as a fresh copy.",
             registry=registry,
         )
-        self.exhausted = Counter(
-            f"{PREFIX}_deliveries_exhausted",
-            "Messages whose last delivery died with its worker (the MAX_DELIVERIES advisory), "
-            "by what became of them: forget (settled already), requeue, dead_letter.",
-            ["verdict"],
-            registry=registry,
+        self.exhausted = Labelled(
+            Counter(
+                f"{PREFIX}_deliveries_exhausted",
+                "Messages whose last delivery died with its worker (the MAX_DELIVERIES advisory), "
+                "by what became of them: forget (settled already), requeue, dead_letter.",
+                ["verdict"],
+                registry=registry,
+            )
         )
         self.heartbeats = Counter(
             f"{PREFIX}_heartbeats", "In-progress acks (+WPI) sent.", registry=registry

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import structlog
 
-from charge_worker import logs, tracing
+from charge_worker import tracing
 from charge_worker.errors import (
     AlreadySettled,
     ChargeWorkerError,
@@ -262,8 +262,8 @@ class Pipeline:
         done = _Draft(delivery)
         try:
             done.charge = parse(delivery.data)
-            # the delivery's lines name the charge from here on (consumer.py unbinds them)
-            logs.bind(
+            # the delivery's lines name the charge from here on (its task ends with them)
+            structlog.contextvars.bind_contextvars(
                 order_id=done.charge.order_id,
                 billing_period=done.charge.billing_period.isoformat(),
             )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import CollectorRegistry
 
-from charge_worker import event_loop, http, logs, privileges, streams
+from charge_worker import event_loop, http, privileges, streams
 from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
 from charge_worker.gateway import build_gateway
@@ -58,7 +58,7 @@ async def run_worker(
         settings.http.http_host, settings.http.metrics_port, setting="CHARGE_WORKER_METRICS_PORT"
     )
     owner = event_loop.process_name()
-    logs.bind(worker=owner)
+    structlog.contextvars.bind_contextvars(worker=owner)  # every task started after
     nc = await streams.connect(settings.nats, name=f"charge-worker {owner}")
     js = nc.jetstream()
     report = await streams.provision(js, settings.nats)
