@@ -14,7 +14,7 @@ EXTRA_PYTHONS ?= 3.12 3.13
 UV_VERSION := 0.13.9
 LOCK_VENV := .venv-lock
 
-.PHONY: demo test lint bench chaos clean check-deploy lock test-pythons
+.PHONY: demo test chaos-quick lint bench chaos clean check-deploy lock test-pythons
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,19 @@ lint: $(STAMP)
 LOCALSTRIPE_VERSION := 1.15.10
 LOCALSTRIPE_STAMP := $(VENV)-localstripe/.installed
 
+# The suite in TEST_WORKERS processes (pytest-xdist: each starts its own servers, and every
+# test has its own database and streams; more processes than cores, since most tests wait
+# on servers and timers), then the chaos suite at its quick size. TEST_WORKERS=0: one.
+TEST_WORKERS ?= 4
+SCENARIOS := tests/chaos/test_scenarios.py
 test: lint $(LOCALSTRIPE_STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --ignore=$(SCENARIOS) $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory chaos-quick
+
+# Every chaos scenario at its quick size (50-300 keys), one seed; `make chaos` runs them full.
+CHAOS_WORKERS ?= 2
+chaos-quick: $(STAMP)
+	$(BIN)/python -m pytest -n $(CHAOS_WORKERS) $(SCENARIOS) $(CHAOS_PYTEST_ARGS)
 
 $(LOCALSTRIPE_STAMP):
 	@test -x $(VENV)-localstripe/bin/python || $(PYTHON) -m venv $(VENV)-localstripe
@@ -49,16 +60,17 @@ $(LOCALSTRIPE_STAMP):
 find_python = for p in "$$(command -v python$(1))" $(HOME)/.pyenv/versions/$(1).*/bin/python$(1); do \
 	"$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done
 
-# The unit and integration tiers on every EXTRA_PYTHONS interpreter there is, one after the
-# other (each pytest run starts its own servers; two at once would share 2 cores).
-# PYTHONS_PYTEST_ARGS narrows them (.ci/run does, to stay within CI's time).
+# PYTHONS_TESTS (default: the unit and integration tiers) on every EXTRA_PYTHONS interpreter
+# there is, one after the other, each in TEST_WORKERS processes. .ci/run narrows it to the unit tier (the
+# pipeline and the consumer on fakes included): what changes with the interpreter.
+PYTHONS_TESTS ?= tests/unit tests/integration
 test-pythons: $(STAMP)
 	@for version in $(EXTRA_PYTHONS); do \
 	    python=$$($(call find_python,$$version)); \
 	    if [ -z "$$python" ]; then echo "test-pythons: python$$version not found, skipped"; continue; fi; \
 	    $(MAKE) --no-print-directory .venv-$$version/.installed PYTHON_X=$$python || exit 1; \
 	    echo "== Python $$version ($$python)"; \
-	    .venv-$$version/bin/python -m pytest tests/unit tests/integration $(PYTHONS_PYTEST_ARGS) || exit 1; \
+	    .venv-$$version/bin/python -m pytest -n $(TEST_WORKERS) $(PYTHONS_TESTS) $(PYTHONS_PYTEST_ARGS) || exit 1; \
 	done
 
 # pgserver ships no wheel for 3.13 and up (pyproject's dev extra skips it there); its

@@ -8,10 +8,13 @@ by their own tests: signals, readiness and a clean stop are what those show.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import structlog
 from click.testing import CliRunner
 
 from charge_worker.cli import main
@@ -38,9 +41,33 @@ def cli(*args: str, env: Mapping[str, str] | None = None) -> Ran:
         for name in os.environ
         if name.startswith(("CHARGE_WORKER_", "GATEWAY_")) or name in OUR_VARIABLES
     }
-    result = CliRunner().invoke(
-        main, list(args), prog_name="charge-worker", env={**unset, **(env or {})}
-    )
+    with logging_put_back():
+        result = CliRunner().invoke(
+            main, list(args), prog_name="charge-worker", env={**unset, **(env or {})}
+        )
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception  # a crash, not an answer: the test shows its traceback
     return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+@contextlib.contextmanager
+def logging_put_back() -> Iterator[None]:
+    """Logging as it was before a command configured it for its run (`logs.configure`
+    routes every logger to the stderr of that run), so later tests in this process do not
+    write to a stream that is gone."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # what uvicorn configures
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
+        structlog.reset_defaults()
+        structlog.contextvars.clear_contextvars()

@@ -19,28 +19,15 @@ from starlette.applications import Starlette
 from charge_worker import http, logs, tracing
 from charge_worker.settings import LogSettings, WebhookSettings
 from charge_worker.webhooks import connections
+from tests.support.cli import logging_put_back
 
 
 @pytest.fixture
 def json_logs(capsys: pytest.CaptureFixture[str]) -> Iterator[pytest.CaptureFixture[str]]:
     """logs.configure as `run` does it, once the test runs (pytest's capture of stderr is
     in place only then); everything put back after."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
+    with logging_put_back():
         yield capsys
-    finally:
-        logging.captureWarnings(False)
-        for handler in root.handlers[:]:
-            root.removeHandler(handler)
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
-        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # what uvicorn configures
-            logging.getLogger(name).handlers.clear()
-            logging.getLogger(name).propagate = True
-        structlog.reset_defaults()
-        structlog.contextvars.clear_contextvars()  # what a test bound outside a task
 
 
 def _configure() -> None:
