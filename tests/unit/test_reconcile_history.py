@@ -102,7 +102,10 @@ async def test_one_page_at_a_time_is_held_however_long_the_history() -> None:
         finally:
             tracemalloc.stop()
 
-    small, large = await peak(1_000), await peak(20_000)
+    # the least of two runs each: tracemalloc counts every thread's allocations, and a
+    # test runner's own threads (pytest-xdist's channel) allocate while a run is measured
+    small = min([await peak(1_000), await peak(1_000)])
+    large = min([await peak(20_000), await peak(20_000)])
     assert large - small < 2_000_000, (small, large)
 
 
