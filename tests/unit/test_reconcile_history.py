@@ -85,8 +85,8 @@ async def test_progress_every_hundred_pages_on_a_long_history() -> None:
 
 async def test_one_page_at_a_time_is_held_however_long_the_history() -> None:
     """The issue: a whole window in memory (~1.1 KB per charge, 1.13 GB at 1M). Paging
-    20,000 charges holds one page, so it takes about what paging 1,000 does (holding
-    19,000 more charges would take ~10 MB more)."""
+    10,000 charges holds one page, so it takes about what paging 1,000 does (holding
+    9,000 more charges would take ~5 MB more)."""
 
     async def peak(count: int) -> int:
         client = gateway(honest([charge(n) for n in range(count)]))
@@ -105,7 +105,7 @@ async def test_one_page_at_a_time_is_held_however_long_the_history() -> None:
     # the least of two runs each: tracemalloc counts every thread's allocations, and a
     # test runner's own threads (pytest-xdist's channel) allocate while a run is measured
     small = min([await peak(1_000), await peak(1_000)])
-    large = min([await peak(20_000), await peak(20_000)])
+    large = min([await peak(10_000), await peak(10_000)])
     assert large - small < 2_000_000, (small, large)
 
 
