@@ -11,15 +11,18 @@ undo it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import statistics
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 import httpx
+import nats.js.errors
 from nats.aio.client import Client
 
 from charge_worker.settings import NatsSettings
@@ -141,7 +144,23 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
     )
 
 
+LEADERLESS_S = 30.0
+
+
 async def read_letters(nc: Client, cfg: NatsSettings) -> list[Letter]:
+    """Every dead letter. A clustered stream answers 503 while it elects a leader (a healed
+    partition, a killed leader): read again, for up to `LEADERLESS_S`."""
+    deadline = time.monotonic() + LEADERLESS_S
+    while True:
+        try:
+            return await _letters(nc, cfg)
+        except nats.js.errors.ServiceUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _letters(nc: Client, cfg: NatsSettings) -> list[Letter]:
     js = nc.jetstream()
     state = (await js.stream_info(cfg.dlq_stream)).state
     letters = []
