@@ -3,7 +3,7 @@ probes every long-running command serves (`/metrics`, `/healthz`, `/readyz`).
 
 httpx's API over aiohttp's transport: httpx's default transport spends several times more
 client CPU per local request (see the benchmark issue). A call is `with breaker: await ...`
-under a hard total deadline (`asyncio.timeout`), because `httpx.Timeout` bounds each
+under a hard total deadline (`charge_worker.deadline`), because `httpx.Timeout` bounds each
 phase, not the whole call.
 """
 

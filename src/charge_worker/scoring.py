@@ -8,7 +8,6 @@ the policy (`defer`: charge now and record a deferred check; `hold`: retry later
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +15,7 @@ import httpx
 
 from charge_worker import tracing
 from charge_worker.breaker import BreakerOpen
+from charge_worker.deadline import Deadlines
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
 from charge_worker.http import build_breaker, build_client
 from charge_worker.settings import ScoringSettings, require
@@ -49,6 +49,7 @@ class ScoringClient:
         self.breaker = build_breaker(
             "scoring", fail_max=cfg.scoring_breaker_failures, reset_s=cfg.scoring_breaker_reset_s
         )
+        self.deadlines = Deadlines()
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -104,7 +105,7 @@ class ScoringClient:
         try:
             with self.breaker:  # inside: a timeout or a bad answer counts toward it
                 try:
-                    async with asyncio.timeout(self.timeout_s):
+                    async with self.deadlines.within(self.timeout_s):
                         response = await self.client.post("/v1/score", json=body, headers=headers)
                 except TimeoutError as error:
                     raise OutcomeUnknown(f"scoring timed out after {self.timeout_s:g}s") from error

@@ -24,6 +24,7 @@ FLOOR = {
     "migrate",
     "display",
     "breaker",
+    "deadline",
     "json_text",
 }
 SHARED = {

@@ -7,8 +7,8 @@ so the worker proves there that its lease outlives the request's deadline (`Befo
 Nothing the adapter did before it (reads, token waits, however slow) can then push the
 request past the lease.
 
-A call is `with breaker: await …`, under a deadline (`asyncio.timeout`; a client's own
-timeout bounds each phase, not the whole call). The request passed in translates its
+A call is `with breaker: await …`, under a deadline (`charge_worker.deadline`; a client's
+own timeout bounds each phase, not the whole call). The request passed in translates its
 driver's errors into domain errors itself, inside the breaker, so that an `OutcomeUnknown` or
 `DependencyUnavailable` counts toward it and a verdict (decline, rejection, 409, 429) does
 not (`http.build_breaker`). A `ReplayedFailure` (the provider replaying its first answer to
@@ -17,7 +17,6 @@ a key, a 5xx) is neither: the breaker hears nothing of it.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -26,6 +25,7 @@ import aiohttp
 import httpx
 
 from charge_worker.breaker import BreakerOpen
+from charge_worker.deadline import Deadlines
 from charge_worker.errors import DependencyUnavailable, OutcomeUnknown
 from charge_worker.http import build_breaker
 from charge_worker.ratelimit import RateLimiter
@@ -50,6 +50,7 @@ class Guarded:
         )
         # the fleet's request rate: each request spends a token (none while the rate is off)
         self.limiter = limiter or RateLimiter(None, rate_per_s=0)
+        self.deadlines = Deadlines()
 
     @property
     def charge_deadline_s(self) -> float:
@@ -97,7 +98,7 @@ class Guarded:
 
     async def _within_deadline(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with self.deadlines.within(self.timeout_s):
                 return await request()
         except TimeoutError as error:
             raise OutcomeUnknown(f"gateway {what}: no answer within {self.timeout_s:g}s") from error
