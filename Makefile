@@ -61,8 +61,9 @@ find_python = for p in "$$(command -v python$(1))" $(HOME)/.pyenv/versions/$(1).
 	"$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done
 
 # PYTHONS_TESTS (default: the unit and integration tiers) on every EXTRA_PYTHONS interpreter
-# there is, one after the other, each in TEST_WORKERS processes. .ci/run narrows it to the unit tier (the
-# pipeline and the consumer on fakes included): what changes with the interpreter.
+# there is, one after the other, each in TEST_WORKERS processes. .ci/run narrows it to the
+# unit tier (the pipeline and the consumer on fakes included): what changes with the
+# interpreter.
 PYTHONS_TESTS ?= tests/unit tests/integration
 test-pythons: $(STAMP)
 	@for version in $(EXTRA_PYTHONS); do \
