@@ -55,8 +55,9 @@ from charge_worker.settings import GatewaySettings, ScoringSettings
 from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Pipeline
+from tests.support import harness
 
-PERIOD = dt.date(2026, 12, 1)
+PERIOD = harness.PERIOD
 LEASE_S = 30.0
 GATEWAY_URL = "https://gateway.test"
 SCORING_URL = "https://scoring.test"
@@ -77,20 +78,8 @@ class FakeClock:
 
 
 def due(order_id: int = 1, customer: str = "cus_ok", amount: int = 99000) -> ChargeDue:
-    """A due charge of `PERIOD`."""
-    return ChargeDue.model_validate(
-        {
-            "schema": "charge.due/v1",
-            "order_id": order_id,
-            "billing_period": PERIOD.isoformat(),
-            "subscription_id": f"sub_{order_id}",
-            "customer_id": customer,
-            "amount_minor": amount,
-            "currency": "RUB",
-            "due_at": "2026-12-01T00:00:00Z",
-        },
-        strict=False,
-    )
+    """A due charge of `PERIOD`: the harness's message body, parsed."""
+    return ChargeDue.model_validate_json(harness.due(order_id, customer, amount))
 
 
 # ---- the ledger -----------------------------------------------------------------------------
