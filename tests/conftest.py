@@ -107,6 +107,8 @@ def nats_settings(nats_url: str) -> NatsSettings:
         subject=f"charges_{uid}.due",
         dlq_stream=f"CHARGES_DLQ_{uid}",
         dlq_subject=f"charges_{uid}.dlq",
+        outcomes_stream=f"CHARGE_OUTCOMES_{uid}",
+        outcomes_subject=f"charges_{uid}.outcome",
     )
 
 
@@ -116,7 +118,7 @@ async def nc(nats_settings: NatsSettings) -> AsyncIterator[Client]:
     client = await streams.connect(nats_settings, name="tests")
     yield client
     js = client.jetstream()
-    for name in (nats_settings.stream, nats_settings.dlq_stream):
+    for name in (nats_settings.stream, nats_settings.dlq_stream, nats_settings.outcomes_stream):
         with contextlib.suppress(nats.js.errors.NotFoundError):  # maybe never created
             await js.delete_stream(name)
     await client.close()

@@ -28,6 +28,7 @@ import asyncpg
 
 from charge_worker import events
 from charge_worker.database import translated
+from charge_worker.declines import DeclineClass, decline_class
 from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict, Unverified
 from charge_worker.messages import ChargeDue
 from charge_worker.settings import LEASE_MARGIN_S
@@ -152,7 +153,7 @@ _KEPT = "gateway_calls = gateway_calls + $6, scoring = coalesce($7, scoring), up
 _SETTLE = _fenced_write(
     f"""UPDATE charge_attempts
        SET status = $9, gateway_charge_id = coalesce($10, gateway_charge_id), last_error = $11,
-           decline_code = $12, lease_owner = NULL, lease_until = NULL,
+           decline_code = $12, decline_class = $13, lease_owner = NULL, lease_until = NULL,
            settled_at = CASE WHEN $9 = 'processing' THEN NULL ELSE now() END, {_KEPT}
      WHERE {_FENCE}"""
 )
@@ -191,6 +192,10 @@ class Settlement:
     charge_id: str | None = None
     error: str | None = None
     decline_code: str | None = None  # of a decline, as the provider said
+
+    @property
+    def decline_class(self) -> DeclineClass | None:
+        return decline_class(self.decline_code) if self.status == "declined" else None
 
 
 @dataclass(frozen=True)
@@ -352,6 +357,7 @@ class Ledger:
             settlement.charge_id,
             settlement.error,
             settlement.decline_code,
+            settlement.decline_class,
         )
 
     async def retry_later(

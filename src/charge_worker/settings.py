@@ -78,6 +78,11 @@ class NatsSettings(_EnvGroup):
     stream_max_age_s: float = Field(7 * 86400.0, ge=86400.0)
     dlq_max_age_s: float = Field(30 * 86400.0, gt=0)
     stream_replicas: int = Field(1, ge=1, le=5)
+    # outcome events (docs/contracts/charge-outcome.md): `<subject>.<kind>`
+    outcomes_stream: str = "CHARGE_OUTCOMES"
+    outcomes_subject: str = "charges.outcome"
+    outcomes_max_age_s: float = Field(30 * 86400.0, ge=86400.0)
+    outcomes_duplicate_window_s: float = Field(7200.0, gt=0)
 
     @field_validator("backoff_s", mode="before")
     @classmethod
@@ -146,6 +151,18 @@ class WorkerSettings(_EnvGroup):
     failpoints: str = ""  # for the reliability suite only; checked by worker/failpoints.py
     # `match`: a message with no ledger row is charged only when its subscription agrees
     verify_subscription: Literal["off", "match"] = "off"
+    # the relay of outcome events (outcomes/relay.py), in every worker pod
+    outbox_poll_s: float = Field(0.5, gt=0)
+    outbox_batch: int = Field(200, ge=1, le=10000)
+    outbox_publish_timeout_s: float = Field(5.0, gt=0)
+    outbox_retry_max_s: float = Field(60.0, gt=0)
+    outbox_retention_s: float = Field(7 * 86400.0, ge=3600.0)
+
+    @property
+    def outbox_retry_horizon_s(self) -> float:
+        """The longest an event the stream may hold already waits for its next publish:
+        an answer not heard within the timeout, then the longest gap between tries."""
+        return self.outbox_publish_timeout_s + self.outbox_retry_max_s
 
 
 class ScoringSettings(_EnvGroup):
@@ -356,6 +373,19 @@ class Settings(BaseModel):
                 "CHARGE_WORKER_DUPLICATE_WINDOW_S",
                 f"is {nats.duplicate_window_s:g}s, longer than the stream keeps a message "
                 f"(CHARGE_WORKER_STREAM_MAX_AGE_S, {nats.stream_max_age_s:g}s)",
+            )
+        if nats.outcomes_duplicate_window_s < worker.outbox_retry_horizon_s:
+            raise _Rule(
+                "CHARGE_WORKER_OUTCOMES_DUPLICATE_WINDOW_S",
+                f"is {nats.outcomes_duplicate_window_s:g}s, shorter than the relay's retry "
+                f"horizon ({worker.outbox_retry_horizon_s:g}s: "
+                "CHARGE_WORKER_OUTBOX_PUBLISH_TIMEOUT_S + CHARGE_WORKER_OUTBOX_RETRY_MAX_S)",
+            )
+        if nats.outcomes_duplicate_window_s > nats.outcomes_max_age_s:
+            raise _Rule(
+                "CHARGE_WORKER_OUTCOMES_DUPLICATE_WINDOW_S",
+                f"is {nats.outcomes_duplicate_window_s:g}s, longer than the stream keeps an "
+                f"event (CHARGE_WORKER_OUTCOMES_MAX_AGE_S, {nats.outcomes_max_age_s:g}s)",
             )
         if (nats.tls_cert is None) != (nats.tls_key is None):
             missing = "NATS_TLS_KEY" if nats.tls_key is None else "NATS_TLS_CERT"

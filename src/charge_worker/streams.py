@@ -1,4 +1,5 @@
-"""Idempotent provisioning of the `CHARGES` and `CHARGES_DLQ` streams and the durable consumer.
+"""Idempotent provisioning of the `CHARGES`, `CHARGES_DLQ` and `CHARGE_OUTCOMES` streams and the
+durable consumer.
 
 Missing pieces are created as configured. Pieces that exist with another configuration are
 never overwritten silently: each difference is reported as a `Drift`, and only with
@@ -94,6 +95,19 @@ def dlq_stream(cfg: NatsSettings) -> StreamConfig:
     )
 
 
+def outcomes_stream(cfg: NatsSettings) -> StreamConfig:
+    """Outcome events for the rest of the business: kept for their consumers, not ours."""
+    return StreamConfig(
+        name=cfg.outcomes_stream,
+        subjects=[f"{cfg.outcomes_subject}.>"],
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        max_age=cfg.outcomes_max_age_s,
+        duplicate_window=cfg.outcomes_duplicate_window_s,
+        num_replicas=cfg.stream_replicas,
+    )
+
+
 def worker_consumer(cfg: NatsSettings) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=cfg.durable,
@@ -184,6 +198,7 @@ async def provision(
     try:
         await _ensure_stream(js, charges_stream(cfg), apply, report)
         await _ensure_stream(js, dlq_stream(cfg), apply, report)
+        await _ensure_stream(js, outcomes_stream(cfg), apply, report)
         await _ensure_consumer(js, cfg.stream, worker_consumer(cfg), apply, report)
     except nats.js.errors.APIError as error:
         raise ProvisioningError(

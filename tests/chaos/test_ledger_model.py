@@ -119,7 +119,9 @@ async def _clean_pool(url: str) -> asyncpg.Pool:
     """A small pool on the test's database, every ledger table emptied: a clean example."""
     pool = await asyncpg.create_pool(url, min_size=1, max_size=2)
     assert pool is not None
-    await pool.execute("TRUNCATE charge_attempts, deferred_scoring_checks, charge_events")
+    await pool.execute(
+        "TRUNCATE charge_attempts, deferred_scoring_checks, charge_events, charge_outcomes"
+    )
     return pool
 
 

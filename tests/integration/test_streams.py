@@ -16,6 +16,7 @@ async def test_creates_streams_and_consumer_per_contract(
     assert report.created == [
         f"stream {nats_settings.stream}",
         f"stream {nats_settings.dlq_stream}",
+        f"stream {nats_settings.outcomes_stream}",
         f"consumer {nats_settings.stream}/charges-worker",
     ]
     js = nc.jetstream()
@@ -26,6 +27,10 @@ async def test_creates_streams_and_consumer_per_contract(
     dlq = (await js.stream_info(nats_settings.dlq_stream)).config
     assert dlq.subjects == [nats_settings.dlq_subject]
     assert dlq.max_age == 30 * 86400
+    outcomes = (await js.stream_info(nats_settings.outcomes_stream)).config
+    assert outcomes.subjects == [f"{nats_settings.outcomes_subject}.>"]
+    assert (outcomes.storage, outcomes.max_age) == (StorageType.FILE, 30 * 86400)
+    assert outcomes.duplicate_window == 7200
     consumer = (await js.consumer_info(nats_settings.stream, "charges-worker")).config
     assert consumer.ack_policy == AckPolicy.EXPLICIT
     assert consumer.ack_wait == 30

@@ -23,6 +23,7 @@ POINTS = frozenset(
         "after_gateway_response_before_commit",
         "after_commit_before_ack",
         "after_dead_letter_before_term",
+        "after_outcome_publish_before_mark",
     }
 )
 ACTIONS = frozenset({"exit", "raise"})

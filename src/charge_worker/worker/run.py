@@ -2,8 +2,9 @@
 
 SIGTERM and SIGINT only set the stop event; the consumer decides what stopping means
 (no more fetches, in-flight work drained within `drain_s`, nothing acked on cancel). The
-side tasks (re-scoring, consumer stats, the HTTP server) are watched (`health.SideTasks`):
-one that dies is logged at error level and fails `/healthz`, so the pod is restarted.
+side tasks (re-scoring, the outcome relay, consumer stats, the HTTP server) are watched
+(`health.SideTasks`): one that dies is logged at error level and fails `/healthz`, so the
+pod is restarted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
 from charge_worker.gateway import build_gateway
 from charge_worker.ledger import DeferredChecks, Ledger
+from charge_worker.outcomes.outbox import Outbox
+from charge_worker.outcomes.relay import OutboxMetrics, Relay
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.scoring import ScoringClient
 from charge_worker.settings import Settings
@@ -110,6 +113,20 @@ async def run_worker(
     side_tasks.start(
         "rescoring", rescore_deferred(checks, scoring, metrics, stop, interval_s=interval_s)
     )
+    outbox = Outbox(
+        pool,
+        hold_s=2 * settings.worker.outbox_publish_timeout_s,
+        retry_max_s=settings.worker.outbox_retry_max_s,
+    )
+    relay = Relay(
+        outbox,
+        js,
+        settings.nats,
+        settings.worker,
+        OutboxMetrics(metrics.registry),
+        before_mark=lambda: failpoints.hit("after_outcome_publish_before_mark"),
+    )
+    side_tasks.start("outcome_relay", relay.run(stop))
     side_tasks.start(
         "consumer_stats",
         report_consumer_stats(

@@ -1,0 +1,41 @@
+"""Decline codes and their classes: the one table (`docs/contracts/gateway.md`, "Retrying a
+declined renewal") every adapter's codes are read through.
+
+A class says what may follow a decline: `soft` (the bank may say yes another day),
+`customer_action` (nothing changes until the customer does something), `hard` (never again
+for this period). A code not in the table is `soft`; a decline that names no code is a
+`generic_decline`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+DeclineClass = Literal["soft", "customer_action", "hard"]
+
+GENERIC_DECLINE = "generic_decline"
+
+CLASSES: dict[str, DeclineClass] = {
+    "insufficient_funds": "soft",
+    "try_again_later": "soft",
+    "do_not_honor": "soft",
+    "processing_error": "soft",
+    "issuer_not_available": "soft",
+    GENERIC_DECLINE: "soft",
+    "authentication_required": "customer_action",
+    "expired_card": "customer_action",
+    "incorrect_cvc": "customer_action",
+    "card_not_supported": "customer_action",
+    "stolen_card": "hard",
+    "lost_card": "hard",
+    "pickup_card": "hard",
+    "fraudulent": "hard",
+    "revocation_of_authorization": "hard",
+    "restricted_card": "hard",
+    "security_violation": "hard",
+}
+
+
+def decline_class(code: str | None) -> DeclineClass:
+    """The class of a gateway's decline code (None: a `generic_decline`)."""
+    return CLASSES.get(code or GENERIC_DECLINE, "soft")

@@ -1,0 +1,145 @@
+"""Every SQL statement on `charge_outcomes`, the outbox of outcome events.
+
+The rows are written by the ledger row's triggers, never here. A relay takes a batch under
+row locks (`FOR UPDATE SKIP LOCKED`: each pod its own rows, no leader), publishes it while
+the transaction holds them, and marks in the same transaction what the stream acknowledged
+and what failed. A relay that dies or stalls anywhere in between commits nothing: its rows
+are unlocked (its connection closes, or `idle_in_transaction_session_timeout` ends the
+transaction) and published again, under the same `Nats-Msg-Id`.
+
+Only the lowest unsent event of a period is ever taken, so a period's events reach the
+stream in `sequence` order whatever fails.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from charge_worker.database import translated
+
+_TAKE = """
+SELECT o.order_id, o.billing_period, o.sequence, o.type, o.body::text AS body, o.traceparent,
+       o.tries
+  FROM charge_outcomes AS o
+ WHERE o.sent_at IS NULL AND o.next_try_at <= now()
+   AND NOT EXISTS (SELECT FROM charge_outcomes AS e
+                    WHERE e.order_id = o.order_id AND e.billing_period = o.billing_period
+                      AND e.sequence < o.sequence AND e.sent_at IS NULL)
+ ORDER BY o.occurred_at
+ LIMIT $1
+   FOR UPDATE SKIP LOCKED
+"""
+
+_SENT = """
+UPDATE charge_outcomes AS o
+   SET sent_at = now(), stream_seq = k.stream_seq, tries = o.tries + 1, last_error = NULL
+  FROM unnest($1::bigint[], $2::date[], $3::int[], $4::bigint[])
+       AS k(order_id, billing_period, sequence, stream_seq)
+ WHERE (o.order_id, o.billing_period, o.sequence) = (k.order_id, k.billing_period, k.sequence)
+"""
+
+# the next try after 0.5 s, 1 s, 2 s, ... up to `$5`
+_FAILED = """
+UPDATE charge_outcomes AS o
+   SET tries = o.tries + 1, last_error = $4,
+       next_try_at = now() + make_interval(secs => least($5, 0.5 * 2 ^ least(o.tries, 30)))
+  FROM unnest($1::bigint[], $2::date[], $3::int[]) AS k(order_id, billing_period, sequence)
+ WHERE (o.order_id, o.billing_period, o.sequence) = (k.order_id, k.billing_period, k.sequence)
+"""
+
+_OLDEST_UNSENT = """
+SELECT coalesce(extract(epoch FROM now() - min(occurred_at)), 0)::float8
+  FROM charge_outcomes WHERE sent_at IS NULL
+"""
+
+_PRUNE = """
+DELETE FROM charge_outcomes WHERE (order_id, billing_period, sequence) IN (
+    SELECT order_id, billing_period, sequence FROM charge_outcomes
+     WHERE sent_at < now() - make_interval(secs => $1)
+     ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+"""
+
+
+@dataclass(frozen=True)
+class Event:
+    """An unsent outcome event: its body is the message, as committed."""
+
+    order_id: int
+    billing_period: dt.date
+    sequence: int
+    type: str
+    body: str
+    traceparent: str | None
+    tries: int
+
+    @property
+    def event_id(self) -> str:
+        return f"{self.order_id}:{self.billing_period.isoformat()}:{self.sequence}"
+
+    @property
+    def kind(self) -> str:
+        """The subject's last token: `charge.succeeded` -> `succeeded`."""
+        return self.type.removeprefix("charge.")
+
+
+# What publishing a batch came to, per event in order: the stream sequence it is stored
+# at, or why it is not.
+Published = Sequence[int | Exception]
+
+
+class Outbox:
+    def __init__(self, pool: asyncpg.Pool, *, hold_s: float, retry_max_s: float) -> None:
+        """`hold_s`: the longest a relay may hold its rows before PostgreSQL ends its
+        transaction; `retry_max_s`: the longest gap between two tries of a failing event."""
+        self.pool = pool
+        self.retry_max_s = retry_max_s
+        self._hold = f"SET LOCAL idle_in_transaction_session_timeout = {math.ceil(hold_s * 1000)}"
+
+    async def relay(
+        self,
+        limit: int,
+        publish: Callable[[list[Event]], Awaitable[Published]],
+        *,
+        before_mark: Callable[[], None] = lambda: None,
+    ) -> list[tuple[Event, int | Exception]]:
+        """Take up to `limit` events, `publish` them, record what came of each; returns it."""
+        async with translated("outbox"), self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._hold)
+            rows = await conn.fetch(_TAKE, limit)
+            if not rows:
+                return []
+            taken = [Event(*row.values()) for row in rows]
+            results = list(zip(taken, await publish(taken), strict=True))
+            before_mark()
+            sent = [(e, r) for e, r in results if not isinstance(r, Exception)]
+            failed = [(e, r) for e, r in results if isinstance(r, Exception)]
+            if sent:
+                await conn.execute(_SENT, *_keys([e for e, _ in sent]), [r for _, r in sent])
+            if failed:
+                error = f"{type(failed[0][1]).__name__}: {failed[0][1]}"[:500]
+                await conn.execute(_FAILED, *_keys([e for e, _ in failed]), error, self.retry_max_s)
+        return results
+
+    async def oldest_unsent_s(self) -> float:
+        """How long the oldest event not in the stream yet has waited (0: none waits)."""
+        async with translated("outbox"):
+            return float(await self.pool.fetchval(_OLDEST_UNSENT))
+
+    async def prune(self, retention_s: float, limit: int = 10_000) -> int:
+        """Delete up to `limit` events sent more than `retention_s` ago; how many."""
+        async with translated("outbox"):
+            status = await self.pool.execute(_PRUNE, retention_s, limit)
+        return int(status.split()[-1])
+
+
+def _keys(events: list[Event]) -> tuple[list[int], list[dt.date], list[int]]:
+    return (
+        [e.order_id for e in events],
+        [e.billing_period for e in events],
+        [e.sequence for e in events],
+    )
