@@ -26,6 +26,7 @@ FLOOR = {
     "breaker",
     "deadline",
     "json_text",
+    "declines",
 }
 SHARED = {
     "messages",
@@ -41,6 +42,7 @@ SHARED = {
     "http",
     "gateway",
     "scoring",
+    "outcomes",
 }
 FAMILIES = {"worker", "producer", "reconcile", "webhooks", "admin", "explain"}
 TOP = {"cli", "sandbox", "__main__", "__init__"}
