@@ -2,7 +2,7 @@
 -- own triggers, so that every statement that changes a period's state (the worker's settle
 -- and give-up, a lookup's record, reconcile's repairs, a webhook, a late verdict, and any
 -- path written later) commits its event with it, and no statement can forget to.
--- docs/decisions/0006-outbox-by-trigger.md says why a trigger and not a CTE per statement.
+-- docs/decisions/0006-outbox.md says why a trigger and not a CTE per statement.
 
 -- The period's last event number: `sequence` comes from the row, under the row's lock, so two
 -- paths can never give one period the same number. Instant (a constant default).
