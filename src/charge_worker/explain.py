@@ -30,6 +30,14 @@ SELECT a.*, d.status AS check_status, d.reason AS check_reason
  WHERE a.order_id = $1 AND a.billing_period = $2
 """
 _HIDDEN = {"order_id", "billing_period", "fingerprint", "check_status", "check_reason"}
+# the outbox keeps a sent event only for CHARGE_WORKER_OUTBOX_RETENTION_S: the period's
+# count (`charge_attempts.outcome_seq`) tells how many there were
+_OUTCOMES = """
+SELECT sequence, type, occurred_at, sent_at, stream_seq, tries, last_error, next_try_at
+  FROM charge_outcomes
+ WHERE order_id = $1 AND billing_period = $2
+ ORDER BY sequence
+"""
 
 
 async def explain_command(
@@ -46,6 +54,7 @@ async def explain_command(
         async with translated("cannot read the ledger"):
             row = await pool.fetchrow(_ROW, order_id, billing_period)
             story = await events.story(pool, order_id, billing_period)
+            kept = [dict(r) for r in await pool.fetch(_OUTCOMES, order_id, billing_period)]
     finally:
         await pool.close()
     at_gateway: list[dict[str, Any]] = []
@@ -66,12 +75,15 @@ async def explain_command(
         click.echo(f"no charge {key} in the ledger or its story", err=True)
         return 1
     state = {k: v for k, v in dict(row or {}).items() if k not in _HIDDEN and v is not None}
+    count = state.get("outcome_seq", len(kept))
+    outcomes = {"count": count, "pruned": count - len(kept), "events": kept}
     if as_json:
         document = {
             "key": key,
             "state": state,
             "deferred_check": row and row["check_status"],
             "events": [asdict(e) for e in story],
+            "outcomes": outcomes,
             "gateway": at_gateway if ask_gateway else None,
         }
         click.echo(json.dumps(document, default=str, indent=2))
@@ -82,18 +94,13 @@ async def explain_command(
         _say(f"  deferred scoring check: {row['check_status']} ({row['check_reason']})")
     _say("story:")
     for event in story:
-        when = event.at.astimezone(dt.UTC).isoformat(timespec="milliseconds")
+        when = _at(event.at)
         actor = printable(event.actor)
         _say(f"  {when}  {actor:<28.28}  {event.kind:<12}  {describe(event)}")
-    if ask_gateway:
-        _say("at the gateway:" if at_gateway else "at the gateway: no charge for this key")
-        for charge in at_gateway:
-            created = dt.datetime.fromtimestamp(charge["created"], dt.UTC).isoformat()
-            money = f"{charge['amount']} {charge['currency']}"
-            # a refunded charge stays `succeeded` at the gateway (docs/contracts/gateway.md)
-            refunded = charge.get("amount_refunded", 0)
-            refund = f", refunded {refunded}" if refunded else ""
-            _say(f"  {charge['id']}  {charge['status']:<9}  {money}{refund}  created {created}")
+    for line in _outcome_lines(count, kept):
+        _say(line)
+    for line in _gateway_lines(at_gateway) if ask_gateway else []:
+        _say(line)
     return 0
 
 
@@ -133,6 +140,46 @@ def _headline(key: str, state: dict[str, Any]) -> list[str]:
     for name in ("last_error", "review_reason"):
         if name in state:
             lines.append(f"  {name.replace('_', ' ')}: {state[name]}")
+    return lines
+
+
+def _gateway_lines(at_gateway: list[dict[str, Any]]) -> list[str]:
+    lines = ["at the gateway:" if at_gateway else "at the gateway: no charge for this key"]
+    for charge in at_gateway:
+        created = dt.datetime.fromtimestamp(charge["created"], dt.UTC).isoformat()
+        money = f"{charge['amount']} {charge['currency']}"
+        # a refunded charge stays `succeeded` at the gateway (docs/contracts/gateway.md)
+        refunded = charge.get("amount_refunded", 0)
+        refund = f", refunded {refunded}" if refunded else ""
+        lines.append(f"  {charge['id']}  {charge['status']:<9}  {money}{refund}  created {created}")
+    return lines
+
+
+def _at(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _outcome_lines(count: int, kept: list[dict[str, Any]]) -> list[str]:
+    """The period's outcome events (docs/contracts/charge-outcome.md), and where each is."""
+    if count == 0:
+        return ["outcome events: none (no change of state an event is written for)"]
+    lines = [f"outcome events: {count}"]
+    if pruned := count - len(kept):
+        lines[0] += (
+            f"; {pruned} not shown: sent, then pruned after the outbox's retention"
+            " (CHARGE_WORKER_OUTBOX_RETENTION_S)"
+        )
+    for event in kept:
+        head = f"  #{event['sequence']}  {event['type']:<23}  occurred {_at(event['occurred_at'])}"
+        if event["sent_at"] is not None:
+            where = f"in the stream {_at(event['sent_at'])}, stream seq {event['stream_seq']}"
+        else:
+            tries = event["tries"]
+            where = f"not in the stream yet: {tries} {'try' if tries == 1 else 'tries'}"
+            where += f", next at {_at(event['next_try_at'])}"
+            if event["last_error"]:
+                where += f", last error: {event['last_error']}"
+        lines.append(f"{head}  {where}")
     return lines
 
 

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import re
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 from nats.aio.client import Client
 
-from charge_worker import events
+from charge_worker import events, streams
 from charge_worker.explain import explain_command
+from charge_worker.ledger import Ledger, Settlement
 from charge_worker.producer.schedule import produce
 from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from tests.support.harness import eventually, provisioned, running_worker, set_sim, settings_for
 
+from .test_ledger import PERIOD, charge
+from .test_outcome_relay import relay_for
 from .test_producer import DAY, Sub, add_subscriptions
 from .test_reconcile import charge_id, put_row
 
@@ -34,9 +40,16 @@ async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
     await connection.close()
 
 
-async def told(settings: Settings, order_id: int, capsys: pytest.CaptureFixture[str]) -> str:
+async def told(
+    settings: Settings,
+    order_id: int,
+    capsys: pytest.CaptureFixture[str],
+    period: dt.date = DAY,
+    *,
+    as_json: bool = False,
+) -> str:
     capsys.readouterr()
-    assert await explain_command(settings, order_id, DAY, as_json=False, ask_gateway=True) == 0
+    assert await explain_command(settings, order_id, period, as_json=as_json, ask_gateway=True) == 0
     return capsys.readouterr().out
 
 
@@ -57,6 +70,12 @@ async def test_scheduled_published_charged_then_a_double_refunded(
             return bool(status == "succeeded")
 
         await eventually(charged, "the charge settled")
+
+        async def relayed() -> bool:
+            unsent = "SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL"
+            return bool(await conn.fetchval(unsent) == 0)
+
+        await eventually(relayed, "the worker's relay published the outcome event")
     await set_sim(gateway_sim.url, idempotency_enabled=False)
     extra = await charge_id(gateway_sim.url, 1, idempotency_key="a-forgotten-key")
     await run_reconcile(settings)
@@ -67,6 +86,11 @@ async def test_scheduled_published_charged_then_a_double_refunded(
     assert "charged -> ack" in story
     assert f"charge_id {extra}" in story
     assert "refunded" in story  # the gateway's view of the extra charge
+    # refunding a double changes nothing of the period: still its one event
+    assert "outcome events: 1\n" in story
+    assert re.search(
+        r"  #1  charge\.succeeded .* occurred 20\S+  in the stream 20\S+, stream seq \d+\n", story
+    ), story
 
 
 async def test_unknown_outcome_resolved_by_reconcile(
@@ -148,3 +172,68 @@ async def test_the_producers_steps_are_told_by_the_row_and_only_for_its_rows(
     [scheduled, published] = await events.story(conn, 7, DAY)
     assert (scheduled.kind, scheduled.detail) == ("scheduled", {"subscription_id": "sub_7"})
     assert (published.kind, published.detail) == ("published", {"msg_id": f"charge:7:{DAY}"})
+
+
+async def test_outcome_events_each_with_where_it_is_and_the_count_past_pruning(
+    nc: Client, pool: asyncpg.Pool, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = Ledger(pool, lease_s=60)
+    claim = await ledger.claim(charge(8), "w1", stream_seq=1)
+    await ledger.settle(claim, Settlement("succeeded", charge_id="ch_8"), story=None)
+    await pool.execute("UPDATE charge_attempts SET status = 'refunded' WHERE order_id = 8")
+    await pool.execute("UPDATE charge_attempts SET disputed_at = now() WHERE order_id = 8")
+    relay = relay_for(pool, nc, settings.nats)
+    # no stream yet: the first try fails, and the event waits with its error
+    assert await relay.relay_once() == 1
+
+    story = await told(settings, 8, capsys, PERIOD)
+    assert "outcome events: 3\n" in story
+    [first, second, third] = story.split("outcome events: 3\n")[1].splitlines()[:3]
+    assert re.fullmatch(
+        r"  #1  charge\.succeeded +occurred \S+  not in the stream yet: 1 try, next at \S+,"
+        r" last error: \w+.*",
+        first,
+    ), first
+    assert "#2  charge.refunded" in second
+    assert "not in the stream yet: 0 tries" in second
+    assert "#3  charge.disputed" in third
+
+    await streams.provision(nc.jetstream(), settings.nats)
+
+    async def sent() -> bool:
+        await relay.relay_once()
+        return bool(
+            await pool.fetchval("SELECT bool_and(sent_at IS NOT NULL) FROM charge_outcomes")
+        )
+
+    await eventually(sent, "every event in the stream")
+    await pool.execute(
+        "UPDATE charge_outcomes SET sent_at = now() - interval '8 days' WHERE sequence < 3"
+    )
+    assert await relay.outbox.prune(settings.worker.outbox_retention_s) == 2
+
+    story = await told(settings, 8, capsys, PERIOD)
+    assert (
+        "outcome events: 3; 2 not shown: sent, then pruned after the outbox's retention"
+        " (CHARGE_WORKER_OUTBOX_RETENTION_S)\n" in story
+    )
+    assert re.search(r"\n  #3  charge\.disputed .* in the stream \S+, stream seq 3\n", story)
+    assert "#1" not in story.split("outcome events")[1]
+
+    document = json.loads(await told(settings, 8, capsys, PERIOD, as_json=True))
+    outcomes = document["outcomes"]
+    assert (outcomes["count"], outcomes["pruned"]) == (3, 2)
+    [kept] = outcomes["events"]
+    assert (kept["sequence"], kept["type"], kept["stream_seq"]) == (3, "charge.disputed", 3)
+    assert kept["sent_at"] is not None
+    assert document["state"]["outcome_seq"] == 3
+
+
+async def test_a_period_without_outcome_events_says_so(
+    settings: Settings, conn: asyncpg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await put_row(conn, 9, "pending")
+    story = await told(settings, 9, capsys)
+    assert "outcome events: none (no change of state an event is written for)" in story
+    document = json.loads(await told(settings, 9, capsys, as_json=True))
+    assert document["outcomes"] == {"count": 0, "pruned": 0, "events": []}
