@@ -441,6 +441,10 @@ def _settings_charge_worker_refuses(r: Rendered) -> None:
     _find(r, "ConfigMap")["data"]["CHARGE_WORKER_ACK_WAIT_S"] = "45"  # != first backoff step
 
 
+def _outcomes_dedup_shorter_than_the_relays_retries(r: Rendered) -> None:
+    _find(r, "ConfigMap")["data"]["CHARGE_WORKER_OUTCOMES_DUPLICATE_WINDOW_S"] = "30"
+
+
 def _receiver_runs_the_worker(r: Rendered) -> None:
     _container(r, "webhooks")["args"] = ["run"]
 
@@ -695,6 +699,11 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_a_secret_object, pods.check_secrets, "must not create Secrets"),
     (_unknown_setting, pods.check_settings, "CHARGE_WORKER_TURBO is not a charge-worker setting"),
     (_settings_charge_worker_refuses, pods.check_settings, "CHARGE_WORKER_BACKOFF_S"),
+    (
+        _outcomes_dedup_shorter_than_the_relays_retries,
+        pods.check_settings,
+        "CHARGE_WORKER_OUTCOMES_DUPLICATE_WINDOW_S is 30s, shorter than the relay's retry",
+    ),
     (_overlapping_produce, workloads.check_cronjobs, "concurrencyPolicy is 'Allow'"),
     (_overlapping_full_sweep, workloads.check_cronjobs, "reconcile-full: concurrencyPolicy"),
     (_full_sweep_that_is_not_full, workloads.check_cronjobs, "do not start with ['reconcile', '"),
