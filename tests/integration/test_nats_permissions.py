@@ -1,7 +1,7 @@
 """Each component's NATS user, exactly as docs/nats-permissions.md lists it, on a real
 nats-server started with that block: each can do its job with charge-worker's own code, and
 nothing outside its list (issue 34, item 3: whoever can publish to `charges.due` can move
-money).
+money; issue 36: whoever can publish to `charges.outcome.>` can say a charge was made).
 
 The names are charge-worker's defaults (the doc's), so each test has a server of its own.
 """
@@ -28,6 +28,8 @@ from tests.support.harness import due, eventually, running_worker, settings_for
 
 DOC = Path(__file__).parents[2] / "docs" / "nats-permissions.md"
 USERS = ("producer", "worker", "reconcile", "dlq", "provision")
+# a succeeded charge's outcome event: only the worker's relay may publish there
+OUTCOME_SUBJECT = "charges.outcome.succeeded"
 
 
 def doc_config() -> str:
@@ -117,12 +119,14 @@ async def test_the_producer_provisions_a_first_install_and_publishes_due_charges
     assert report.created == [
         "stream CHARGES",
         "stream CHARGES_DLQ",
+        "stream CHARGE_OUTCOMES",
         "consumer CHARGES/charges-worker",
     ]
     assert ack.seq == 1
     assert producer.refused() == []
-    # it may not read the charges, nor write a dead letter, nor wipe the queue
+    # it may not read the charges, nor write a dead letter or an outcome, nor wipe the queue
     assert await refused_publish(producer, cfg.dlq_subject)
+    assert await refused_publish(producer, OUTCOME_SUBJECT)
     assert await refused_publish(producer, "$JS.API.STREAM.PURGE.CHARGES")
     assert await refused_publish(producer, "$JS.API.CONSUMER.MSG.NEXT.CHARGES.charges-worker")
 
@@ -135,9 +139,9 @@ async def test_the_worker_charges_dead_letters_and_reports_with_its_own_user(
     scoring_sim: ServedApp,
 ) -> None:
     """The real worker, as `worker`: it provisions (the streams exist: info only), pulls,
-    charges and acks a due charge, dead-letters a poison body (publish to charges.dlq, then
-    term), subscribes to the MAX_DELIVERIES advisory and reads the consumer's gauges; the
-    server refuses it nothing."""
+    charges and acks a due charge, publishes its outcome event (the relay), dead-letters a
+    poison body (publish to charges.dlq, then term), subscribes to the MAX_DELIVERIES
+    advisory and reads the consumer's gauges; the server refuses it nothing."""
     provision = await connect("provision")
     await streams.provision(provision.nc.jetstream(), settings_as(server, "provision"))
     producer = await connect("producer")
@@ -156,8 +160,19 @@ async def test_the_worker_charges_dead_letters_and_reports_with_its_own_user(
                 return status == "succeeded"
 
             await eventually(charged, "the due charge made by the worker")
+
+            async def relayed() -> bool:
+                sent = await db.fetchval(
+                    "SELECT sent_at IS NOT NULL AND stream_seq IS NOT NULL FROM charge_outcomes"
+                    " WHERE order_id = 1 AND type = 'charge.succeeded'"
+                )
+                return bool(sent)
+
+            await eventually(relayed, "the outcome event published and marked by the relay")
         finally:
             await db.close()
+        stored = await provision.nc.jetstream().stream_info("CHARGE_OUTCOMES", subjects_filter=">")
+        published = worker.metric("charge_worker_outbox_publishes_total", result="published")
         reader = await connect("dlq")
         async with dlq.opened(settings_as(server, "dlq")) as letters:
 
@@ -168,6 +183,9 @@ async def test_the_worker_charges_dead_letters_and_reports_with_its_own_user(
         async with httpx.AsyncClient() as client:
             ready = await client.get(f"{worker.http_url}/readyz")
     assert (ready.status_code, ready.text) == (200, "ready")
+    assert stored.state.subjects == {OUTCOME_SUBJECT: 1}
+    assert published == 1
+    assert worker.metric("charge_worker_outbox_publishes_total", result="failed") == 0
     assert reader.refused() == []
     log = server.log_path.read_text()
     assert "Violation" not in log, log
@@ -185,6 +203,12 @@ async def test_the_worker_cannot_publish_outside_its_list(
         "$JS.API.STREAM.UPDATE.CHARGES",
         "$JS.API.CONSUMER.DELETE.CHARGES.charges-worker",
         "$JS.API.STREAM.MSG.DELETE.CHARGES_DLQ",
+        # the outcome events: published, never taken back or rewritten
+        "charges.outcome",
+        "$JS.API.STREAM.DELETE.CHARGE_OUTCOMES",
+        "$JS.API.STREAM.PURGE.CHARGE_OUTCOMES",
+        "$JS.API.STREAM.UPDATE.CHARGE_OUTCOMES",
+        "$JS.API.STREAM.MSG.DELETE.CHARGE_OUTCOMES",
     ):
         assert await refused_publish(worker, subject), subject
     # nor listen to what it does not need
@@ -207,6 +231,7 @@ async def test_reconcile_sees_where_the_consumer_stands_and_republishes_nothing_
     assert position.waiting(seq)
     reconcile = await connect("reconcile")
     assert await refused_publish(reconcile, "charges.dlq")
+    assert await refused_publish(reconcile, OUTCOME_SUBJECT)
     assert await refused_publish(reconcile, "$JS.ACK.CHARGES.charges-worker.1.1.1.1.1")
     assert await refused_publish(reconcile, "$JS.API.CONSUMER.MSG.NEXT.CHARGES.charges-worker")
 
@@ -233,6 +258,7 @@ async def test_the_dlq_operator_replays_but_cannot_forge_a_dead_letter(
     assert report.summary() == "replayed 1, skipped as duplicates 0, missing 0"
     operator = await connect("dlq")
     assert await refused_publish(operator, "charges.dlq")
+    assert await refused_publish(operator, OUTCOME_SUBJECT)
     assert await refused_publish(operator, "$JS.API.STREAM.MSG.DELETE.CHARGES_DLQ")
 
 
@@ -244,10 +270,16 @@ async def test_provision_applies_drift_and_the_others_cannot(
         settings_as(server, "provision"),
     )
     cfg = settings_as(server, "provision")
-    changed = cfg.model_copy(update={"stream_max_age_s": 2 * cfg.stream_max_age_s})
+    changed = cfg.model_copy(
+        update={
+            "stream_max_age_s": 2 * cfg.stream_max_age_s,
+            "outcomes_max_age_s": 2 * cfg.outcomes_max_age_s,
+        }
+    )
     provision = await connect("provision")
     report = await streams.provision(provision.nc.jetstream(), changed, apply=True)
-    assert report.updated == ["stream CHARGES"]
+    assert report.updated == ["stream CHARGES", "stream CHARGE_OUTCOMES"]
+    assert await refused_publish(provision, OUTCOME_SUBJECT)
     worker = await connect("worker")
     assert await refused_publish(worker, "$JS.API.STREAM.UPDATE.CHARGES")
 
