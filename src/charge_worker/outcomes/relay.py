@@ -89,10 +89,13 @@ class Relay:
         results = await self.outbox.relay(
             self.cfg.outbox_batch, self._publish, before_mark=self.before_mark
         )
-        for event, result in results:
-            if isinstance(result, Exception):
-                self.metrics.failed.inc()
-                log.warning("outbox.publish_failed", event_id=event.event_id, error=repr(result))
+        failed = [(event, result) for event, result in results if isinstance(result, Exception)]
+        if failed:  # one line a batch: an outage fails every event of every batch
+            self.metrics.failed.inc(len(failed))
+            event, error = failed[0]
+            log.warning(
+                "outbox.publish_failed", events=len(failed), first=event.event_id, error=repr(error)
+            )
         return len(results)
 
     async def look(self) -> None:
