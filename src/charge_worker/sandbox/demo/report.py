@@ -1,8 +1,9 @@
 """What the demo shows at the end: read every witness, print a summary, list what went wrong.
 
 Witnesses: the gateway simulator (charges per idempotency key: the promise), the ledger
-(`charge_attempts`), the dead-letter stream, each worker's `/metrics` and JSON log, and the
-scoring simulator's counters. `print_summary` returns the broken expectations, if any.
+(`charge_attempts`), the dead-letter stream, each worker's `/metrics` and JSON log, the
+scoring simulator's counters, and the outcome events a downstream consumer read
+(`outcomes.py`). `print_summary` returns the broken expectations, if any.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from charge_worker.sandbox.demo.outcomes import DOWNSTREAM_DURABLE, Read, mismatches
 from charge_worker.sandbox.demo.samples import Published
 from charge_worker.sandbox.demo.workers import Samples, metric
 from charge_worker.worker.decisions import Outcome
@@ -47,6 +49,8 @@ class LedgerRow:
     scoring: str | None
     claims: int
     last_error: str | None
+    outcome_seq: int  # how many outcome events the row's changes made
+    outcome_type: str | None  # the type of the last
 
 
 async def ledger_rows(
@@ -54,7 +58,8 @@ async def ledger_rows(
 ) -> list[LedgerRow]:
     """The demo's rows of `charge_attempts` (other rows on a shared database are left out)."""
     records = await conn.fetch(
-        "SELECT order_id, customer_id, status, scoring, attempt AS claims, last_error"
+        "SELECT order_id, customer_id, status, scoring, attempt AS claims, last_error,"
+        "       outcome_seq, outcome_type"
         "  FROM charge_attempts WHERE billing_period = $1 AND order_id = ANY($2::bigint[])"
         " ORDER BY order_id",
         period,
@@ -175,6 +180,10 @@ class Story:
     dlq_stream: str
     workers: list[WorkerResult]
     ack_wait_s: float
+    outcomes: Read
+    outcomes_stream: str
+    outcomes_subject: str
+    outcomes_drained: bool
 
 
 def _heading(text: str) -> None:
@@ -301,6 +310,33 @@ def _scoring(story: Story) -> None:
     )
 
 
+def _outcomes(story: Story, problems: list[str]) -> None:
+    events = story.outcomes.events
+    kinds = Counter(event.type.removeprefix("charge.") for event in events)
+    consumer = f"durable {DOWNSTREAM_DURABLE} on {story.outcomes_subject}.>"
+    _heading(
+        f"outcome events ({story.outcomes_stream}), as a downstream consumer read them"
+        f" ({consumer}): {len(events)}: {_counts(kinds)}"
+    )
+    for event in events:
+        click.echo(
+            f"{INDENT}  {event.event_id:<22} {event.type:<18} sequence {event.sequence}"
+            f"  {event.amount_minor} {event.currency}"
+        )
+    if not story.outcomes_drained:
+        problems.append("outcome events were left unsent")
+    changes = {row.order_id: (row.outcome_seq, row.outcome_type) for row in story.rows}
+    made, dropped = sum(count for count, _ in changes.values()), story.outcomes.duplicates
+    if wrong := mismatches(story.outcomes, changes):
+        click.secho(f"{INDENT}  the consumer and the ledger differ: {'; '.join(wrong)}", fg="red")
+        problems.append(f"{len(wrong)} orders' outcome events differ from the ledger's changes")
+    else:
+        click.echo(
+            f"{INDENT}  each of the ledger's {made} changes (charge_attempts.outcome_seq) seen"
+            f" once; {dropped} duplicate deliveries dropped by event_id"
+        )
+
+
 def print_summary(story: Story) -> list[str]:
     """Print the story's outcome; return the expectations it broke (empty: all held)."""
     problems: list[str] = []
@@ -312,4 +348,5 @@ def print_summary(story: Story) -> list[str]:
     _scoring(story)
     for worker in story.workers:
         click.echo(f"{INDENT}{worker.name} log: {worker.log_path}")
+    _outcomes(story, problems)
     return problems

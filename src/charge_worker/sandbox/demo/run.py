@@ -5,9 +5,10 @@ PostgreSQL on free loopback ports, the gateway simulator and the scoring simulat
 incident's latency shape (a 6-8 s tail, longer than the demo's 5 s AckWait), migrates,
 provisions, publishes sample due charges with every kind of trouble (`samples.py`),
 runs two `charge-worker run` processes (`workers.py`) until every charge is final and
-nothing is left unacked (`progress.py`), stops them with SIGTERM and prints what
-happened (`report.py`): charges per key at the gateway, the ledger, the dead letters,
-the workers' metrics. Raises `DemoFailed` (exit 1) when an expectation broke.
+nothing is left unacked (`progress.py`) and their relays have published every outcome event
+(`outcomes.py`), stops them with SIGTERM and prints what happened (`report.py`): charges per
+key at the gateway, the ledger, the dead letters, the workers' metrics, and the outcome
+events a downstream consumer read. Raises `DemoFailed` (exit 1) when an expectation broke.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from charge_worker import event_loop, streams
 from charge_worker.display import without_credentials
 from charge_worker.errors import SettingsError
 from charge_worker.migrate import migrate
-from charge_worker.sandbox.demo import report
+from charge_worker.sandbox.demo import outcomes, report
 from charge_worker.sandbox.demo.progress import await_settled, scrape_when_counted
 from charge_worker.sandbox.demo.samples import Published, publish_samples
 from charge_worker.sandbox.demo.workers import (
@@ -140,6 +141,7 @@ async def _collect(
     published: Published,
     all_final: bool,
     workers: list[report.WorkerResult],
+    drained: bool,
 ) -> report.Story:
     """Read every witness, once the workers have stopped."""
     gateway, scoring = settings.gateway.url, settings.scoring.url
@@ -155,6 +157,10 @@ async def _collect(
         dlq_stream=settings.nats.dlq_stream,
         workers=workers,
         ack_wait_s=settings.nats.ack_wait_s,
+        outcomes=await outcomes.read_as_consumer(js, settings.nats),
+        outcomes_stream=settings.nats.outcomes_stream,
+        outcomes_subject=settings.nats.outcomes_subject,
+        outcomes_drained=drained,
     )
 
 
@@ -204,6 +210,14 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
             js, conn, cfg, published, workers, timeout_s=SETTLE_TIMEOUT_S
         )
         samples = await scrape_when_counted(js, cfg, workers, http)
+        timeout_s = outcomes.DRAIN_TIMEOUT_S
+        _step(
+            f"waiting until the workers' relays have put every outcome event in "
+            f"{cfg.outcomes_stream} (at most {timeout_s:g} s)"
+        )
+        drained = await outcomes.await_drained(
+            conn, published, stream=cfg.outcomes_stream, timeout_s=timeout_s
+        )
         _step("stopping the workers with SIGTERM: they drain and exit")
         results = await _stop_workers(workers, samples, settings)
 
@@ -216,12 +230,14 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
             published=published,
             all_final=all_final,
             workers=results,
+            drained=drained,
         )
         problems = report.print_summary(story)
         if external and not keep:  # the streams are this run's own: leave no litter behind
-            for name in (cfg.stream, cfg.dlq_stream):
+            names = (cfg.stream, cfg.dlq_stream, cfg.outcomes_stream)
+            for name in names:
                 await js.delete_stream(name)
-            click.echo(f"    removed this run's streams {cfg.stream} and {cfg.dlq_stream}")
+            click.echo(f"    removed this run's streams {', '.join(names)}")
         return problems
 
 

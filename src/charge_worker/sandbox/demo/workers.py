@@ -76,6 +76,8 @@ def demo_settings(
             "subject": f"demo.{tag}.charges.due",
             "dlq_stream": f"DEMO_{tag}_CHARGES_DLQ",
             "dlq_subject": f"demo.{tag}.charges.dlq",
+            "outcomes_stream": f"DEMO_{tag}_CHARGE_OUTCOMES",
+            "outcomes_subject": f"demo.{tag}.charges.outcome",
         }
         if external
         else {}
