@@ -211,6 +211,14 @@ async def test_an_older_snapshot_processed_after_a_newer_one_was_journaled_is_st
     assert await status_of(db, newer["id"]) == "applied"
 
 
+async def outcome_types(db: asyncpg.Connection, order_id: int) -> list[str]:
+    """The outcome events the ledger's changes wrote for the key, in sequence."""
+    rows = await db.fetch(
+        "SELECT type FROM charge_outcomes WHERE order_id = $1 ORDER BY sequence", order_id
+    )
+    return [row["type"] for row in rows]
+
+
 # --- events ahead of the ledger ----------------------------------------------------------
 
 
@@ -242,6 +250,7 @@ async def test_a_refund_before_the_charge_is_recorded_waits_then_applies(
         "ch_5",
         2,
     )
+    assert await outcome_types(db, 5) == ["charge.succeeded", "charge.refunded"]
     [entry] = await journal(db)
     assert (entry["status"], entry["outcome"]) == ("applied", "succeeded -> refunded")
     assert entry["attempts"] > 1
@@ -422,6 +431,7 @@ async def test_a_dispute_flags_the_charge_for_review(
     assert (row["status"], row["gateway_revision"]) == ("succeeded", 2)
     assert row["disputed_at"] is not None
     assert row["review_reason"] == "gateway: dispute opened on ch_10"
+    assert await outcome_types(db, 10) == ["charge.succeeded", "charge.disputed"]
 
 
 async def test_a_second_successful_charge_for_a_key_goes_to_needs_review(
