@@ -1,9 +1,13 @@
 """The bare pipeline: the worker's I/O per message with none of its safety — the ceiling.
 
 Per message, exactly the round trips a charge needs: pull fetch (to free capacity, like the
-worker), claim `INSERT`, score `POST`, charge `POST`, mark `UPDATE`, ack. No validation
-model, no lease fence, no breaker, no heartbeats, no deadline, no gateway-call bookkeeping,
-no event rows, no metrics, no log line. The HTTP clients are the worker's own
+worker), claim `INSERT`, score `POST`, charge `POST`, mark `UPDATE`, ack, and the charge's
+outcome event published to JetStream (`<outcomes_subject>.succeeded`, with a `Nats-Msg-Id`),
+batched as the worker's relay batches: up to `outbox_batch` events published at once, every
+ack awaited, again at once while batches come full, else after `outbox_poll_s`. No
+validation model, no lease fence, no breaker, no heartbeats, no deadline, no gateway-call
+bookkeeping, no event rows, no outbox (the events wait in a list in memory, and one whose
+publish fails is lost), no metrics, no log line. The HTTP clients are the worker's own
 (`charge_worker.http.build_client`: httpx over the httpx-aiohttp transport), the pool is
 asyncpg with the worker's size and reset, and the event loop is the worker's
 (`charge_worker.event_loop`), so the two differ only in what the worker adds.
@@ -16,6 +20,7 @@ Run as a child process by the harness (its CPU is measured like the worker's):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import signal
@@ -28,6 +33,7 @@ import httpx
 import nats
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from charge_worker import event_loop
@@ -68,6 +74,11 @@ class BareConfig(BaseModel):
     http_timeout_s: float
     fetch_wait_s: float
     ready_file: str
+    outcomes_subject: str
+    outcome_events: bool  # False: none built or published (`benchmarks.overhead --no-outbox`)
+    outbox_batch: int
+    outbox_poll_s: float
+    outbox_publish_timeout_s: float
 
 
 class BarePipeline:
@@ -77,13 +88,17 @@ class BarePipeline:
         pool: asyncpg.Pool,
         scoring: httpx.AsyncClient,
         gateway: httpx.AsyncClient,
+        js: JetStreamContext | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.scoring = scoring
         self.gateway = gateway
+        self.js = js  # `run` connects its own
+        self.unsent: list[tuple[str, bytes]] = []  # (event id, body) of charges marked
         self.done = 0
         self.failed = 0
+        self.published = 0
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -94,6 +109,8 @@ class BarePipeline:
             await self._score(charge)
             charge_id = await self._charge(charge, key)
             await self._mark(order_id, period, charge_id)
+            if self.config.outcome_events:
+                self.unsent.append(_outcome(charge, charge_id))
             await msg.ack()
             self.done += 1
         except (  # the harness sees a failure as a message never acked
@@ -151,12 +168,50 @@ class BarePipeline:
     async def _mark(self, order_id: int, period: dt.date, charge_id: str) -> None:
         await self.pool.execute(MARK, order_id, period, charge_id)
 
+    # The relay's part, bare: publish what was marked, in batches.
+    async def publish_outcomes(self) -> int:
+        """Publish up to `outbox_batch` events at once, awaiting every ack; how many."""
+        assert self.js is not None
+        batch, self.unsent = (
+            self.unsent[: self.config.outbox_batch],
+            self.unsent[self.config.outbox_batch :],
+        )
+        results = await asyncio.gather(
+            *(self._publish(event_id, body) for event_id, body in batch), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, Exception):
+                self.failed += 1
+                print(f"bare pipeline, outcome: {result!r}", file=sys.stderr, flush=True)
+            elif isinstance(result, BaseException):
+                raise result
+        self.published += sum(1 for result in results if result is None)
+        return len(batch)
+
+    async def _publish(self, event_id: str, body: bytes) -> None:
+        assert self.js is not None
+        await self.js.publish(
+            f"{self.config.outcomes_subject}.succeeded",
+            body,
+            timeout=self.config.outbox_publish_timeout_s,
+            headers={"Nats-Msg-Id": f"outcome:{event_id}"},
+        )
+
+    async def relay(self, stop: asyncio.Event) -> None:
+        """`publish_outcomes` until `stop`: at once while batches come full, else every poll."""
+        while not stop.is_set():
+            if await self.publish_outcomes() < self.config.outbox_batch:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.outbox_poll_s)
+
     async def run(self, stop: asyncio.Event) -> None:
         servers = [url.strip() for url in self.config.nats_url.split(",")]
         nc = await nats.connect(servers=servers, name=OWNER)
-        sub = await nc.jetstream().pull_subscribe_bind(
+        self.js = nc.jetstream()
+        sub = await self.js.pull_subscribe_bind(
             durable=self.config.durable, stream=self.config.stream
         )
+        relay = asyncio.create_task(self.relay(stop))
         await asyncio.to_thread(Path(self.config.ready_file).touch)
         in_flight: set[asyncio.Task[None]] = set()
         try:
@@ -176,7 +231,34 @@ class BarePipeline:
         finally:
             if in_flight:
                 await asyncio.wait(in_flight, timeout=DRAIN_S)
+            await relay
+            while await self.publish_outcomes():
+                pass
             await nc.close()
+
+
+def _outcome(charge: dict[str, Any], charge_id: str) -> tuple[str, bytes]:
+    """The charge's `charge.succeeded` event (docs/contracts/charge-outcome.md): its id and
+    body, with the fields the worker's outbox writes."""
+    event_id = f"{charge['order_id']}:{charge['billing_period']}:1"
+    body = {
+        "schema": "charge.outcome/v1",
+        "event_id": event_id,
+        "type": "charge.succeeded",
+        "sequence": 1,
+        "order_id": charge["order_id"],
+        "billing_period": charge["billing_period"],
+        "subscription_id": charge["subscription_id"],
+        "customer_id": charge["customer_id"],
+        "amount_minor": charge["amount_minor"],
+        "currency": charge["currency"],
+        "attempt": 1,
+        "gateway_charge_id": charge_id,
+        "decline_code": None,
+        "decline_class": None,
+        "occurred_at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+    }
+    return event_id, json.dumps(body).encode()
 
 
 async def serve(config: BareConfig) -> None:
@@ -202,7 +284,11 @@ async def serve(config: BareConfig) -> None:
         await scoring.aclose()
         await gateway.aclose()
         await pool.close()
-        print(f"bare pipeline: {bare.done} acked, {bare.failed} failed", file=sys.stderr)
+        print(
+            f"bare pipeline: {bare.done} acked, {bare.published} outcome events published, "
+            f"{bare.failed} failed",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str]) -> None:

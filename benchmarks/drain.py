@@ -2,23 +2,32 @@
 
 A sample runs on a fresh database and streams of its own:
 
-1. create the streams and the durable consumer exactly as `charge-worker provision` would
-   (plus `sample_freq: 100%` for ack advisories; checked to show no drift), paused;
+1. create the streams (the charges, the dead letters, the outcome events) and the durable
+   consumer exactly as `charge-worker provision` would (plus `sample_freq: 100%` for ack
+   advisories; checked to show no drift), paused; unless `Plan.events == "outbox"` (the
+   worker's outbox), disable the ledger's outbox triggers: the bare pipeline's `UPDATE`
+   would fire them too;
 2. publish the backlog of N due charges (with `Plan.subscriptions`, first an active
    `subscriptions` row agreeing with each, for the worker's subscription check);
 3. start the consumer processes (the worker, `charge-worker run`, or the bare pipeline)
    and wait until they are ready;
 4. note every process group's CPU time, resume the consumer: the clock starts;
-5. poll the consumer until nothing is pending or awaiting an ack: the clock stops;
+5. poll the consumer until nothing is pending or awaiting an ack: the clock stops; then,
+   unless `Plan.events == "none"`, until the outcome events stream holds one event per
+   message acked;
 6. CPU time again, peak RSS of each consumer process, its metrics, the ledger's statuses;
 7. optionally a paced phase: publish at a fraction of the rate just measured, and take
-   publish-to-ack latencies from the ack advisories (see `load.py`).
+   publish-to-ack latencies from the ack advisories (see `load.py`);
+8. the outcome events in the stream and the rows in the outbox, once every message's event
+   is in (or after `OUTCOMES_TIMEOUT_S`), for the sample's checks.
 
 The figure for throughput is the steady rate between 10 % and 90 % acked
 (`stats.steady_rate`): a resumed consumer serves the pull request that waited while it was
 paused only at that request's expiry (up to `fetch_wait_s` late), and the last slots finish
 with nothing left to fetch; both would weigh on a drain of a few seconds. CPU and the
-whole-drain rate cover resume to last ack.
+whole-drain rate cover resume to last ack. The CPU is read when the last event is in the
+stream, so the relay's work for the last charges is counted with the rest (the worker's
+relay publishes after the ack, every `outbox_poll_s` when it has less than a full batch).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import asyncpg
 import httpx
@@ -71,6 +80,7 @@ from charge_worker.settings import (
 )
 
 READY_TIMEOUT_S = 60.0
+OUTCOMES_TIMEOUT_S = 30.0  # the longest the last outcome events may take after the last ack
 PAUSE_S = 600
 PROGRESS_EVERY_S = 5.0
 G = TypeVar("G", bound=BaseSettings)
@@ -100,6 +110,8 @@ def worker_settings(stack: Stack, database_url: str, **worker: Any) -> Settings:
             subject=f"bench.{tag}.charges.due",
             dlq_stream=f"BENCH_{tag}_DLQ",
             dlq_subject=f"bench.{tag}.charges.dlq",
+            outcomes_stream=f"BENCH_{tag}_OUTCOMES",
+            outcomes_subject=f"bench.{tag}.charges.outcome",
         ),
         db=_defaults_only(DbSettings, url=database_url),
         worker=_defaults_only(WorkerSettings, **worker),
@@ -221,6 +233,13 @@ class ChildConsumer:
         self.child.stop(timeout_s=5)
 
 
+# Where a sample's outcome events come from: the worker's outbox (its ledger's triggers and
+# its relay), the bare pipeline's direct publishes, or nowhere (the worker on a ledger whose
+# outbox triggers are disabled: its relay finds nothing to publish). Without the outbox the
+# sample's ledger has its outbox triggers disabled.
+Events = Literal["outbox", "direct", "none"]
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one sample does."""
@@ -236,6 +255,7 @@ class Plan:
     # a matching active `subscriptions` row for every order published (backlog and paced
     # phase), written before its message: the worker with verify_subscription=match
     subscriptions: bool = False
+    events: Events = "outbox"
 
 
 @dataclass
@@ -256,6 +276,10 @@ class Drained:
     sims: dict[str, Any] = field(default_factory=dict)
     exit_codes: list[int | None] = field(default_factory=list)
     rss_by_acked: list[tuple[int, list[int]]] = field(default_factory=list)
+    events: Events = "outbox"
+    metered_s: float = 0.0  # from resuming to the CPU's second reading (last event in)
+    outcomes: int = 0  # events in the sample's outcome events stream, at its end
+    outbox_rows: int = 0  # rows in `charge_outcomes` (sent or not), at its end
 
     @property
     def whole_rate(self) -> float:
@@ -272,11 +296,13 @@ class Drained:
     @property
     def other_cores(self) -> float:
         """Cores busy with processes outside the benchmark, on average during the drain."""
-        return self.cpu_s.get(OTHER, 0.0) / self.seconds if self.seconds > 0 else 0.0
+        span = max(self.seconds, self.metered_s)
+        return self.cpu_s.get(OTHER, 0.0) / span if span > 0 else 0.0
 
     @property
     def steal_cores(self) -> float:
-        return self.cpu_s.get(STEAL, 0.0) / self.seconds if self.seconds > 0 else 0.0
+        span = max(self.seconds, self.metered_s)
+        return self.cpu_s.get(STEAL, 0.0) / span if span > 0 else 0.0
 
     def cpu_us_per_charge(self, group: str = "consumer") -> float:
         """CPU µs of a process group per acked message, over the whole drain."""
@@ -309,19 +335,53 @@ def _worker_figures(scraped: list[Samples]) -> dict[str, float]:
     return figures
 
 
-async def _statuses(database_url: str) -> dict[str, int]:
+async def _statuses(database_url: str) -> tuple[dict[str, int], int]:
+    """The ledger's rows by status, and the outbox's rows."""
     conn = await asyncpg.connect(database_url)
     try:
         rows = await conn.fetch("SELECT status, count(*) FROM charge_attempts GROUP BY status")
+        outbox = await conn.fetchval("SELECT count(*) FROM charge_outcomes")
     finally:
         await conn.close()
-    return {str(row[0]): int(row[1]) for row in rows}
+    return {str(row[0]): int(row[1]) for row in rows}, int(outbox)
+
+
+async def _disable_outbox(database_url: str) -> None:
+    """No outbox: the ledger's triggers that write it (migrations/0012) are off."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("ALTER TABLE charge_attempts DISABLE TRIGGER USER")
+        left = await conn.fetchval(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'charge_attempts'::regclass "
+            "AND NOT tgisinternal AND tgenabled <> 'D'"
+        )
+    finally:
+        await conn.close()
+    if left:
+        raise RuntimeError(f"{left} triggers on charge_attempts are still enabled")
+
+
+async def _outcomes(js: JetStreamContext, cfg: NatsSettings) -> int:
+    """Outcome events in the sample's stream."""
+    return int((await js.stream_info(cfg.outcomes_stream)).state.messages)
+
+
+async def _wait_outcomes(js: JetStreamContext, cfg: NatsSettings, count: int) -> int:
+    """Poll until the outcome events stream holds `count` events, at most
+    `OUTCOMES_TIMEOUT_S`; how many it holds."""
+    deadline = time.monotonic() + OUTCOMES_TIMEOUT_S
+    while True:
+        have = await _outcomes(js, cfg)
+        if have >= count or time.monotonic() > deadline:
+            return have
+        await asyncio.sleep(load.POLL_S)
 
 
 async def _provision_paused(js: JetStreamContext, settings: Settings) -> None:
     cfg = settings.nats
     await js.add_stream(streams.charges_stream(cfg))
     await js.add_stream(streams.dlq_stream(cfg))
+    await js.add_stream(streams.outcomes_stream(cfg))
     consumer = dataclasses.replace(streams.worker_consumer(cfg), sample_freq="100%")
     await js.add_consumer(cfg.stream, consumer)
     report = await streams.provision(js, cfg)
@@ -332,7 +392,7 @@ async def _provision_paused(js: JetStreamContext, settings: Settings) -> None:
 
 
 async def _delete_streams(js: JetStreamContext, cfg: NatsSettings) -> None:
-    for name in (cfg.stream, cfg.dlq_stream):
+    for name in (cfg.stream, cfg.dlq_stream, cfg.outcomes_stream):
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await js.delete_stream(name)
 
@@ -417,8 +477,11 @@ async def _measure(
             timeout_s=plan.timeout_s,
             on_progress=polled,
         )
+        ended, done = series[-1] if series else (time.monotonic(), 0)
+        if plan.events != "none":
+            await _wait_outcomes(js, cfg, done)
         cpu = meter.stop()
-    ended, done = series[-1] if series else (time.monotonic(), 0)
+        metered = time.monotonic()
     return Drained(
         messages=plan.messages,
         acked=done,
@@ -429,6 +492,8 @@ async def _measure(
         rss=[rss_bytes(pid) for pid in consumers.pids],
         service_s=sorted(acks.service_s.values()),
         rss_by_acked=polled.rss_by_acked,
+        events=plan.events,
+        metered_s=metered - started,
     )
 
 
@@ -449,12 +514,17 @@ async def _run_consumers(
         result = await _measure(
             stack, nc, plan=plan, cfg=cfg, consumers=consumers, progress=progress
         )
+        js = nc.jetstream()
         if result.acked < plan.messages:
             progress(f"TIMED OUT after {plan.timeout_s:g} s: {result.acked}/{plan.messages}")
         elif plan.paced_fraction > 0:
             progress(f"paced phase: {plan.paced_fraction:.0%} of {result.rate:,.0f}/s")
-            js = nc.jetstream()
             result.latency = await _paced_latency(nc, js, settings, plan, rate=result.rate)
+        if plan.events == "none":
+            result.outcomes = await _outcomes(js, cfg)
+        else:
+            expected = result.acked + int(result.latency.get("acked", 0))
+            result.outcomes = await _wait_outcomes(js, cfg, expected)
         result.worker_metrics = _worker_figures(await consumers.scrape(http))
         result.sims = {
             "gateway": await stack.gateway.stats(http),
@@ -486,6 +556,8 @@ async def drain(
     try:
         js = nc.jetstream()
         await _provision_paused(js, settings)
+        if plan.events != "outbox":
+            await _disable_outbox(database_url)
         if plan.subscriptions:
             progress(f"adding {plan.messages:,} matching subscriptions")
             await load.add_subscriptions(database_url, range(1, plan.messages + 1))
@@ -494,7 +566,7 @@ async def drain(
         result = await _run_consumers(
             stack, http, nc, plan=plan, settings=settings, consumers=consumers, progress=progress
         )
-        result.statuses = await _statuses(database_url)
+        result.statuses, result.outbox_rows = await _statuses(database_url)
     finally:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await _delete_streams(nc.jetstream(), cfg)

@@ -17,7 +17,7 @@ delivery-to-ack time of every message, i.e. how long each slot was really held.
 from __future__ import annotations
 
 from benchmarks.bench import Bench
-from benchmarks.drain import Drained, Plan, Workers
+from benchmarks.drain import Drained, Events, Plan, Workers
 from benchmarks.stats import littles_law_bound, model_mean
 from benchmarks.throughput import bare_consumer
 from charge_worker.sandbox.latency import LatencyModel
@@ -40,13 +40,14 @@ def bound(concurrency: int, scoring: LatencyModel, processes: int = 1) -> float:
     return processes * littles_law_bound(concurrency, mean_latency_s(scoring))
 
 
-def _plan(bench: Bench, messages: int, scoring: LatencyModel) -> Plan:
+def _plan(bench: Bench, messages: int, scoring: LatencyModel, events: Events = "outbox") -> Plan:
     return Plan(
         messages=messages,
         gateway=GATEWAY,
         scoring=scoring,
         timeout_s=max(180.0, messages / 5),
         watch_acks=True,
+        events=events,
     )
 
 
@@ -65,7 +66,7 @@ async def _sample(
 async def bare_latency_bound_sample(bench: Bench, k: int) -> Drained:
     database_url = await bench.stack.new_database()
     settings = bench.settings(database_url, scoring_timeout_s=SCORING_TIMEOUT_S)
-    plan = _plan(bench, bench.sizes.latency_messages, SCORING)
+    plan = _plan(bench, bench.sizes.latency_messages, SCORING, events="direct")
     consumer = bare_consumer(bench, settings, f"bare-latency-bound-{k}")
     return await bench.sample(
         f"bare latency-bound {k}/{bench.sizes.repeats}", plan, settings, consumer

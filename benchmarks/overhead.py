@@ -4,7 +4,16 @@ embedded PostgreSQL and its gateway and scoring simulators, each pipeline on a f
 database), with `--fake-io` canned answers (httpx over a transport that answers at once, a
 pool that returns the rows a fresh charge gets; each yields to the loop once). JetStream is
 left out in both modes: the deliveries are handed over and their acks go nowhere (the two
-pipelines fetch and ack alike).
+pipelines fetch and ack alike), and each outcome event's publish is answered at once with a
+stream sequence.
+
+Outcome events are part of each pipeline's batch: after its deliveries, the worker's relay
+(`Relay.relay_once`, again while its batches come full) publishes what the ledger's
+triggers wrote to the outbox (with `--fake-io`, the pool's outbox holds one row per charge
+of the batch), and the bare pipeline publishes its own list of events, batched alike.
+The bare pipeline's database has the outbox triggers disabled (its `UPDATE` would fire
+them). `--no-outbox` leaves the events out of both: the worker's database has its outbox
+triggers disabled too and neither publishes, to measure what the events cost each pipeline.
 
 A diagnosis, not a target: `make bench` measures the real thing, each consumer in its own
 process. On a shared VM whose speed drifts by a third from one minute to the next, the full
@@ -23,12 +32,14 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,18 +47,22 @@ from typing import Any
 import asyncpg
 import httpx
 from nats.aio.msg import Msg
+from nats.js.api import PubAck
 from prometheus_client import CollectorRegistry
 
 from benchmarks.bare_pipeline import BareConfig, BarePipeline
-from benchmarks.load import due_body
+from benchmarks.load import PERIOD, due_body
+from benchmarks.processes import cpu_seconds
 from benchmarks.stack import Stack
 from charge_worker import event_loop, logs
 from charge_worker.database import create_pool, keep_session
 from charge_worker.gateway.contract import ContractGateway
 from charge_worker.http import build_client
 from charge_worker.ledger import Ledger
+from charge_worker.outcomes.outbox import Outbox
+from charge_worker.outcomes.relay import OutboxMetrics, Relay
 from charge_worker.scoring import ScoringClient
-from charge_worker.settings import LogSettings, load_settings
+from charge_worker.settings import LogSettings, Settings, load_settings
 from charge_worker.worker.consumer import Consumer
 from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.metrics import Metrics
@@ -66,11 +81,15 @@ FAKE_ENV = {
 
 @dataclass
 class Dependencies:
-    """What each pipeline talks to: its pool, its two clients' transport (None: real)."""
+    """What each pipeline talks to: its pool, its two clients' transport (None: real);
+    what writes the worker's outbox rows of a batch's orders (the triggers, or the fake
+    pool); PostgreSQL's postmaster (its CPU is read per batch), if it is the harness's."""
 
     worker_pool: Any
     bare_pool: Any
     transport: httpx.AsyncBaseTransport | None
+    write_outcomes: Callable[[range], None] = lambda _orders: None
+    postgres_pid: int | None = None
 
 
 class Answers(httpx.AsyncBaseTransport):
@@ -90,7 +109,19 @@ class Answers(httpx.AsyncBaseTransport):
 
 
 class Connection:
-    """A fresh claim, and every fenced write accepted."""
+    """A fresh claim, every fenced write accepted, and the outbox's rows."""
+
+    def __init__(self, outbox: list[dict[str, object]]) -> None:
+        self.outbox = outbox
+
+    async def fetch(self, _sql: str, limit: int) -> list[dict[str, object]]:
+        await asyncio.sleep(0)
+        taken = self.outbox[:limit]
+        del self.outbox[:limit]
+        return taken
+
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
 
     async def fetchrow(self, _sql: str, *_args: object) -> dict[str, object]:
         await asyncio.sleep(0)
@@ -106,8 +137,8 @@ class Connection:
 
 
 class Acquired:
-    def __init__(self) -> None:
-        self.connection = Connection()
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
 
     async def __aenter__(self) -> Connection:
         return self.connection
@@ -117,8 +148,37 @@ class Acquired:
 
 
 class Pool(Connection):
+    def __init__(self) -> None:
+        super().__init__([])
+
     def acquire(self) -> Acquired:
-        return Acquired()
+        return Acquired(Connection(self.outbox))
+
+    def write_outcomes(self, order_ids: range) -> None:
+        """What the ledger's triggers would have written for these orders, charged."""
+        self.outbox += [outbox_row(order_id) for order_id in order_ids]
+
+
+def outbox_row(order_id: int) -> dict[str, object]:
+    """An outbox row as the relay reads it: the `charge.succeeded` of `order_id`."""
+    event_id = f"{order_id}:{PERIOD.isoformat()}:1"
+    body = json.dumps(
+        {"schema": "charge.outcome/v1", "event_id": event_id, "type": "charge.succeeded"}
+        | {"sequence": 1, "order_id": order_id, "billing_period": PERIOD.isoformat()}
+        | {"subscription_id": f"sub_{order_id}", "customer_id": "cus_bench_1"}
+        | {"amount_minor": 99000, "currency": "RUB", "attempt": 1}
+        | {"gateway_charge_id": f"ch_{order_id}", "decline_code": None, "decline_class": None}
+        | {"occurred_at": "2026-12-01T00:00:01.000Z"}
+    )
+    return {
+        "order_id": order_id,
+        "billing_period": PERIOD,
+        "sequence": 1,
+        "type": "charge.succeeded",
+        "body": body,
+        "traceparent": None,
+        "tries": 0,
+    }
 
 
 class Nowhere:
@@ -126,6 +186,18 @@ class Nowhere:
 
     async def publish(self, *_args: object, **_kwargs: object) -> None:
         return None
+
+
+class Stream:
+    """Where the outcome events go: a JetStream that stores each publish at once."""
+
+    def __init__(self) -> None:
+        self.stored = 0
+
+    async def publish(self, *_args: object, **_kwargs: object) -> PubAck:
+        await asyncio.sleep(0)
+        self.stored += 1
+        return PubAck(stream="OUTCOMES", seq=self.stored)
 
 
 def message(seq: int, nc: Nowhere) -> Msg:
@@ -139,15 +211,23 @@ def message(seq: int, nc: Nowhere) -> Msg:
 
 
 @contextlib.asynccontextmanager
-async def faked() -> AsyncIterator[Dependencies]:
+async def faked(events: bool) -> AsyncIterator[Dependencies]:
     os.environ.update(FAKE_ENV)
-    yield Dependencies(Pool(), Pool(), Answers())
+    worker_pool = Pool()
+    write = worker_pool.write_outcomes if events else (lambda _orders: None)
+    yield Dependencies(worker_pool, Pool(), Answers(), write)
 
 
 @contextlib.asynccontextmanager
-async def real(stack: Stack) -> AsyncIterator[Dependencies]:
+async def real(stack: Stack, events: bool) -> AsyncIterator[Dependencies]:
     await stack.prepare()
     worker_db, bare_db = await stack.new_database(), await stack.new_database()
+    for url in (worker_db, bare_db) if not events else (bare_db,):  # no outbox triggers
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("ALTER TABLE charge_attempts DISABLE TRIGGER USER")
+        finally:
+            await conn.close()
     os.environ.update(
         NATS_URL=stack.nats_url,
         DATABASE_URL=worker_db,
@@ -157,21 +237,21 @@ async def real(stack: Stack) -> AsyncIterator[Dependencies]:
     )
     worker_pool = await create_pool(load_settings().db)
     bare_pool = await asyncpg.create_pool(bare_db, max_size=10, reset=keep_session)
+    postgres = stack.postgres.proc.pid if stack.postgres and stack.postgres.proc else None
     try:
-        yield Dependencies(worker_pool, bare_pool, None)
+        yield Dependencies(worker_pool, bare_pool, None, postgres_pid=postgres)
     finally:
         await worker_pool.close()
         await bare_pool.close()
         await stack.cleanup_databases()  # servers of your own (NATS_URL, DATABASE_URL)
 
 
-async def measure(deps: Dependencies, rounds: int, batch: int) -> None:
+async def measure(deps: Dependencies, rounds: int, batch: int, *, events: bool) -> None:
     settings = load_settings()
     nowhere = Nowhere()
+    stream = Stream()
     # the bench's adapter; its `transport` is the one seam for canned answers
     gateway = ContractGateway(settings.gateway, transport=deps.transport)
-    gateway_url, scoring_url = settings.gateway.url or "", settings.scoring.url or ""
-    api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else ""
     scoring = ScoringClient(settings.scoring, transport=deps.transport)
     metrics = Metrics(CollectorRegistry())
     failpoints = Failpoints("")
@@ -192,6 +272,88 @@ async def measure(deps: Dependencies, rounds: int, batch: int) -> None:
         metrics=metrics,
         failpoints=failpoints,
     )
+    outbox = Outbox(
+        deps.worker_pool,
+        hold_s=2 * settings.worker.outbox_publish_timeout_s,
+        retry_max_s=settings.worker.outbox_retry_max_s,
+    )
+    relay = Relay(
+        outbox,
+        stream,  # type: ignore[arg-type]  # publishes only
+        settings.nats,
+        settings.worker,
+        OutboxMetrics(metrics.registry),
+    )
+    bare = bare_pipeline(deps, settings, stream, events=events)
+    next_seq = 0
+
+    async def publish_outcomes(worker: bool) -> None:
+        """Each pipeline's relay, until it has nothing left of the batch."""
+        if not events:
+            return
+        if worker:
+            while await relay.relay_once() == settings.worker.outbox_batch:
+                pass
+        else:
+            while await bare.publish_outcomes() == bare.config.outbox_batch:
+                pass
+
+    async def one_batch(worker: bool) -> tuple[float, float]:
+        """CPU us per charge of `batch` deliveries, `CONCURRENCY` at a time, and their
+        outcome events: this process's, and PostgreSQL's (NaN if not measured)."""
+        nonlocal next_seq
+        msgs = [message(next_seq + i + 1, nowhere) for i in range(batch)]
+        if worker:
+            deps.write_outcomes(range(next_seq + 1, next_seq + batch + 1))
+        next_seq += batch
+        postgres = _cpu_s(deps.postgres_pid)
+        started = time.process_time()
+        for i in range(0, batch, CONCURRENCY):
+            chunk = msgs[i : i + CONCURRENCY]
+            fetched_at = time.monotonic()
+            handled: list[Any] = [
+                consumer._handle(m, fetched_at) if worker else bare.handle(m) for m in chunk
+            ]
+            await asyncio.gather(*handled)
+        await publish_outcomes(worker)
+        spent = time.process_time() - started
+        return spent / batch * 1e6, (_cpu_s(deps.postgres_pid) - postgres) / batch * 1e6
+
+    for _ in range(WARM_UP_ROUNDS):
+        await one_batch(True)
+        await one_batch(False)
+    pairs = [(await one_batch(True), await one_batch(False)) for _ in range(rounds)]
+    check(metrics, bare, stream, (rounds + WARM_UP_ROUNDS) * batch, events=events)
+    report(pairs, deps, batch, events=events)
+    await gateway.aclose()
+    await scoring.aclose()
+    await bare.scoring.aclose()
+    await bare.gateway.aclose()
+
+
+def check(
+    metrics: Metrics, bare: BarePipeline, stream: Stream, charges: int, *, events: bool
+) -> None:
+    """Every delivery charged and acked by each pipeline, and its event published."""
+    acked = metrics.registry.get_sample_value(
+        "charge_worker_messages_total", {"outcome": "charged", "action": "ack"}
+    )
+    relayed = metrics.registry.get_sample_value(
+        "charge_worker_outbox_publishes_total", {"result": "published"}
+    )
+    published = (relayed, bare.published, stream.stored)
+    if acked != charges or bare.failed:
+        raise SystemExit(f"not every delivery was charged and acked: {acked}, {bare.failed}")
+    if published != ((charges, charges, 2 * charges) if events else (0, 0, 0)):
+        raise SystemExit(f"outcome events published (relay, bare, stored): {published}")
+
+
+def bare_pipeline(
+    deps: Dependencies, settings: Settings, stream: Stream, *, events: bool
+) -> BarePipeline:
+    """The bare pipeline on `deps`, its events published to `stream`."""
+    gateway_url, scoring_url = settings.gateway.url or "", settings.scoring.url or ""
+    api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else ""
     config = BareConfig(
         nats_url="",
         stream="",
@@ -205,8 +367,13 @@ async def measure(deps: Dependencies, rounds: int, batch: int) -> None:
         http_timeout_s=5,
         fetch_wait_s=1,
         ready_file="",
+        outcomes_subject=settings.nats.outcomes_subject,
+        outcome_events=events,
+        outbox_batch=settings.worker.outbox_batch,
+        outbox_poll_s=settings.worker.outbox_poll_s,
+        outbox_publish_timeout_s=settings.worker.outbox_publish_timeout_s,
     )
-    bare = BarePipeline(
+    return BarePipeline(
         config,
         deps.bare_pool,
         build_client(scoring_url, timeout_s=5, max_connections=100, transport=deps.transport),
@@ -217,52 +384,49 @@ async def measure(deps: Dependencies, rounds: int, batch: int) -> None:
             headers={"Authorization": f"Bearer {api_key}"},
             transport=deps.transport,
         ),
+        js=stream,  # type: ignore[arg-type]  # publishes only
     )
-    next_seq = 0
 
-    async def one_batch(worker: bool) -> float:
-        """CPU us per charge of `batch` deliveries, `CONCURRENCY` at a time."""
-        nonlocal next_seq
-        msgs = [message(next_seq + i + 1, nowhere) for i in range(batch)]
-        next_seq += batch
-        started = time.process_time()
-        for i in range(0, batch, CONCURRENCY):
-            chunk = msgs[i : i + CONCURRENCY]
-            fetched_at = time.monotonic()
-            handled: list[Any] = [
-                consumer._handle(m, fetched_at) if worker else bare.handle(m) for m in chunk
-            ]
-            await asyncio.gather(*handled)
-        return (time.process_time() - started) / batch * 1e6
 
-    for _ in range(WARM_UP_ROUNDS):
-        await one_batch(True)
-        await one_batch(False)
-    pairs = [(await one_batch(True), await one_batch(False)) for _ in range(rounds)]
-    acked = metrics.registry.get_sample_value(
-        "charge_worker_messages_total", {"outcome": "charged", "action": "ack"}
-    )
-    if acked != (rounds + WARM_UP_ROUNDS) * batch or bare.failed:
-        raise SystemExit(f"not every delivery was charged and acked: {acked}, {bare.failed}")
-    bare_us = statistics.median(b for _, b in pairs)
-    ratio = statistics.median(w / b for w, b in pairs)
-    extra = statistics.median(w - b for w, b in pairs)
+def report(
+    pairs: list[tuple[tuple[float, float], tuple[float, float]]],
+    deps: Dependencies,
+    batch: int,
+    *,
+    events: bool,
+) -> None:
+    """Print the medians of the pairs: this process's CPU, then PostgreSQL's."""
+    own = [(w, b) for (w, _), (b, _) in pairs]
+    bare_us = statistics.median(b for _, b in own)
+    ratio = statistics.median(w / b for w, b in own)
+    extra = statistics.median(w - b for w, b in own)
+    where = os.path.dirname(sys.modules["charge_worker"].__file__ or "")
     print(
         f"worker {ratio * bare_us:,.1f} us/charge, bare {bare_us:,.1f} us/charge: "
-        f"ratio {ratio:.3f}, extra {extra:,.1f} us ({rounds} pairs of {batch} charges, "
+        f"ratio {ratio:.3f}, extra {extra:,.1f} us ({len(pairs)} pairs of {batch} charges, "
         f"medians; {'fake' if deps.transport else 'real'} I/O; "
-        f"{os.path.dirname(sys.modules['charge_worker'].__file__ or '')})"
+        f"outcome events {'on' if events else 'off'}; {where})"
     )
-    await gateway.aclose()
-    await scoring.aclose()
-    await bare.scoring.aclose()
-    await bare.gateway.aclose()
+    if deps.postgres_pid is not None:
+        db = [(w, b) for (_, w), (_, b) in pairs]
+        print(
+            f"PostgreSQL, the same batches: worker {statistics.median(w for w, _ in db):,.0f}"
+            f" us/charge, bare {statistics.median(b for _, b in db):,.0f} us/charge, extra "
+            f"{statistics.median(w - b for w, b in db):,.0f} us (medians; its processes' "
+            "times count in clock ticks of 10 ms: a rough figure)"
+        )
+
+
+def _cpu_s(postgres_pid: int | None) -> float:
+    """PostgreSQL's CPU seconds so far (its backends too), NaN if it is not measured."""
+    return math.nan if postgres_pid is None else cpu_seconds(postgres_pid, with_children=True)
 
 
 async def run(args: argparse.Namespace, stack: Stack | None) -> None:
-    dependencies = faked() if stack is None else real(stack)
+    events = not args.no_outbox
+    dependencies = faked(events) if stack is None else real(stack, events)
     async with dependencies as deps:
-        await measure(deps, args.rounds, args.batch)
+        await measure(deps, args.rounds, args.batch, events=events)
 
 
 def main() -> None:
@@ -270,6 +434,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100, help="alternating pairs of batches")
     parser.add_argument("--batch", type=int, default=160, help="charges per batch")
     parser.add_argument("--fake-io", action="store_true", help="canned answers, no servers")
+    parser.add_argument(
+        "--no-outbox",
+        action="store_true",
+        help="no outcome events: the worker's outbox triggers off, neither pipeline publishes",
+    )
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Results:
     bare: list[Drained] = field(default_factory=list)
     worker: list[Drained] = field(default_factory=list)
     worker_verified: list[Drained] = field(default_factory=list)  # subscription check on
+    worker_no_outbox: list[Drained] = field(default_factory=list)  # outbox triggers off
     bare_latency_bound: list[Drained] = field(default_factory=list)
     latency_bound: list[Drained] = field(default_factory=list)
     incident: list[Drained] = field(default_factory=list)
@@ -218,6 +220,47 @@ def ratios(results: Results) -> list[Ratio]:
     return out
 
 
+@dataclass(frozen=True)
+class OutboxCost:
+    """What the outbox of outcome events costs per charge: case 2 minus case 2c, pair by pair
+    (sample k of each, taken one after the other), in CPU µs per charge."""
+
+    consumer: list[float]
+    postgres: list[float]
+    nats: list[float]
+    all: list[float]
+    share: list[float]  # of the worker's CPU per charge, all processes
+    rate: list[float]  # throughput, with the outbox / without
+
+    @classmethod
+    def of(cls, worker: Sequence[Drained], no_outbox: Sequence[Drained]) -> OutboxCost:
+        pairs = list(zip(worker, no_outbox, strict=False))
+
+        def extra(figure: Callable[[Drained], float]) -> list[float]:
+            return [figure(w) - figure(n) for w, n in pairs]
+
+        return cls(
+            consumer=extra(_cpu),
+            postgres=extra(lambda s: s.cpu_us_per_charge("postgres")),
+            nats=extra(lambda s: s.cpu_us_per_charge("nats-server")),
+            all=extra(_cpu_all),
+            share=[ratio(_cpu_all(w) - _cpu_all(n), _cpu_all(w)) for w, n in pairs],
+            rate=[ratio(_rate(w), _rate(n)) for w, n in pairs],
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            name: {"median": median(values), "pairwise": values}
+            for name, values in dataclasses.asdict(self).items()
+        }
+
+
+def outbox_cost(results: Results) -> OutboxCost | None:
+    if not (results.worker and results.worker_no_outbox):
+        return None
+    return OutboxCost.of(results.worker, results.worker_no_outbox)
+
+
 def _latency(samples: Sequence[Drained], key: str) -> Summary | None:
     values = [s.latency[key] for s in samples if key in s.latency]
     return Summary.of(values) if values else None
@@ -239,6 +282,11 @@ def table(results: Results) -> list[str]:
             "2b worker, sub. check",
             results.worker_verified,
             "VERIFY_SUBSCRIPTION=match: every claim inserts through the subscriptions check",
+        ),
+        (
+            "2c worker, no outbox",
+            results.worker_no_outbox,
+            "the ledger's outbox triggers disabled: no outcome event written or published",
         ),
         ("3 latency-bound bare", results.bare_latency_bound, "the in-run ceiling for case 3"),
         ("3 latency-bound", results.latency_bound, f"Little bound {bound(conc, SCORING):.1f}/s"),
@@ -264,6 +312,9 @@ def table(results: Results) -> list[str]:
             f"{_fmt(_summary(samples, _rate)):>18} {_fmt(_summary(samples, _cpu)):>24} "
             f"{median([s.other_cores for s in samples]):>5.2f}  {note}"
         )
+    cost = outbox_cost(results)
+    if cost is not None:
+        lines.append(_outbox_line(cost))
     if results.memory is not None:
         mem = results.memory
         d = mem.drained
@@ -275,12 +326,30 @@ def table(results: Results) -> list[str]:
     return lines
 
 
+def _pairs(values: Sequence[float], spec: str) -> str:
+    return ", ".join(format(value, spec) for value in values)
+
+
+def _outbox_line(cost: OutboxCost) -> str:
+    """The outbox's own row: case 2 minus case 2c, medians of the pairs (the pairs)."""
+    consumer = f"{median(cost.consumer):+,.0f}"
+    return (
+        f"{'outbox (2 - 2c)':<22} {len(cost.all):>2} {'':>8} "
+        f"{f'x {median(cost.rate):.2f}':>18} {consumer:>24} {'':>5}  "
+        f"all processes {median(cost.all):+,.0f} us/charge ({_pairs(cost.all, '+,.0f')}), "
+        f"{median(cost.share):.0%} of the worker's ({_pairs(cost.share, '.0%')}); "
+        f"PostgreSQL {median(cost.postgres):+,.0f}, nats-server {median(cost.nats):+,.0f}; "
+        f"consumer pairs {_pairs(cost.consumer, '+,.0f')}"
+    )
+
+
 def _steps(mem: MemoryResult) -> list[tuple[int, tuple[int]]]:
     return [(acked, (rss[0],)) for acked, rss in mem.drained.rss_by_acked]
 
 
 def cpu_split(results: Results) -> list[str]:
-    """CPU µs per charge of every process group, bare vs worker (and case 2b) at zero latency."""
+    """CPU µs per charge of every process group, bare vs worker (and cases 2b and 2c) at zero
+    latency; `outbox`, with case 2c, is case 2 minus case 2c, the median of the pairs."""
     lines = ["", "CPU per charge by process, zero latency (median us/charge)", ""]
     names = ["bare", "worker"]
     cases = [results.bare, results.worker]
@@ -289,13 +358,33 @@ def cpu_split(results: Results) -> list[str]:
     if results.worker_verified:
         names.append("worker+check")
         cases.append(results.worker_verified)
-    lines.append(f"{'process':<14}" + "".join(f"{name:>13}" for name in names))
+    if results.worker_no_outbox:
+        names.append("no outbox")
+        cases.append(results.worker_no_outbox)
+    outbox = bool(results.worker_no_outbox)
+    lines.append(
+        f"{'process':<14}"
+        + "".join(f"{name:>13}" for name in names)
+        + (f"{'outbox':>13}" if outbox else "")
+    )
     totals = [0.0] * len(cases)
     for group in GROUPS:
         values = [median([s.cpu_us_per_charge(group) for s in samples]) for samples in cases]
         totals = [t + v for t, v in zip(totals, values, strict=True)]
-        lines.append(f"{group:<14}" + "".join(f"{v:>13,.0f}" for v in values))
-    lines.append(f"{'all':<14}" + "".join(f"{v:>13,.0f}" for v in totals))
+        extra = ""
+        if outbox:  # worker minus no outbox, the median of the pairs
+            pairs = zip(results.worker, results.worker_no_outbox, strict=False)
+            diff = median(
+                [a.cpu_us_per_charge(group) - b.cpu_us_per_charge(group) for a, b in pairs]
+            )
+            extra = f"{diff:>+13,.0f}"
+        lines.append(f"{group:<14}" + "".join(f"{v:>13,.0f}" for v in values) + extra)
+    cost = outbox_cost(results)
+    lines.append(
+        f"{'all':<14}"
+        + "".join(f"{v:>13,.0f}" for v in totals)
+        + (f"{median(cost.all):>+13,.0f}" if cost is not None else "")
+    )
     busy = [median([_cpu_all(s) * s.acked / 1e6 / s.seconds for s in samples]) for samples in cases]
     lines.append(f"{'cores busy':<14}" + "".join(f"{v:>13.2f}" for v in busy))
     other = [median([s.other_cores for s in samples]) for samples in cases]
@@ -309,6 +398,7 @@ def _all_samples(results: Results) -> list[tuple[str, Drained]]:
         "bare",
         "worker",
         "worker_verified",
+        "worker_no_outbox",
         "bare_latency_bound",
         "latency_bound",
         "incident",
@@ -335,6 +425,7 @@ def anomalies(results: Results) -> list[str]:
             problems.append(f"ledger {sample.statuses}, expected {expected} succeeded")
         if charged is not None and charged != expected:
             problems.append(f"gateway made {charged} charges for {expected} messages")
+        problems += _event_problems(sample, expected)
         if sample.worker_metrics.get("redeliveries"):
             problems.append(f"{sample.worker_metrics['redeliveries']:.0f} redeliveries")
         if any(code != 0 for code in sample.exit_codes):
@@ -342,6 +433,19 @@ def anomalies(results: Results) -> list[str]:
         if problems:
             found.append(f"{name}: " + "; ".join(problems))
     return found
+
+
+def _event_problems(sample: Drained, expected: int) -> list[str]:
+    """One outcome event per charge in the stream (none with the outbox off); outbox rows
+    only from the worker's outbox, one per event."""
+    events = 0 if sample.events == "none" else expected
+    rows = expected if sample.events == "outbox" else 0
+    problems = []
+    if sample.outcomes != events:
+        problems.append(f"{sample.outcomes} outcome events in the stream, expected {events}")
+    if sample.outbox_rows != rows:
+        problems.append(f"{sample.outbox_rows} rows in the outbox, expected {rows}")
+    return problems
 
 
 CONTENDED_CORES = 0.2

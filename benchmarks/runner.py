@@ -155,12 +155,13 @@ async def run_cases(
     if "throughput" in only:
         step += 1
         bench.say(
-            f"== case group {step}/{case_count}: bare pipeline vs worker, and with the "
-            "subscription check on, zero latency"
+            f"== case group {step}/{case_count}: bare pipeline vs worker, without its outbox, "
+            "and with the subscription check on, zero latency"
         )
         for k in range(1, sizes.repeats + 1):
             results.bare.append(await throughput.bare_sample(bench, k))
             results.worker.append(await throughput.worker_sample(bench, k))
+            results.worker_no_outbox.append(await throughput.no_outbox_sample(bench, k))
             results.worker_verified.append(await throughput.verified_sample(bench, k))
     if "latency" in only:
         step += 1
@@ -233,12 +234,14 @@ def record(
             },
         },
         "ratios": [item.as_json() for item in found],
+        "outbox_cost": cost.as_json() if (cost := report.outbox_cost(results)) else None,
         "anomalies": report.anomalies(results),
         "contended": report.contended(results),
         "samples": {
             "bare": samples(results.bare),
             "worker": samples(results.worker),
             "worker_verified": samples(results.worker_verified),
+            "worker_no_outbox": samples(results.worker_no_outbox),
             "bare_latency_bound": samples(results.bare_latency_bound),
             "latency_bound": samples(results.latency_bound),
             "incident": samples(results.incident),

@@ -13,6 +13,11 @@ sample's database gets an active subscription agreeing with each message first, 
 one is verified and charged (a refused one would be dead-lettered, and the sample's checks
 would say so). No paced phase: it measures throughput and CPU only, against the same bare
 samples as case 2.
+
+Case 2c, `no_outbox_sample`: the worker on a ledger whose outbox triggers are disabled, right
+after each worker sample: no event row is written, and the worker's relay finds nothing to
+publish. Case 2 minus case 2c, pair by pair, is what the outbox of outcome events costs per
+charge (its rows, its triggers, its relay's statements and publishes). No paced phase.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import httpx
 
 from benchmarks.bare_pipeline import BareConfig
 from benchmarks.bench import ROOT, Bench
-from benchmarks.drain import ChildConsumer, Drained, Plan, Workers, child_env
+from benchmarks.drain import ChildConsumer, Drained, Events, Plan, Workers, child_env
 from benchmarks.processes import Child, python_argv
 from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.settings import Settings
@@ -47,6 +52,11 @@ def bare_consumer(bench: Bench, settings: Settings, name: str) -> ChildConsumer:
         http_timeout_s=settings.gateway.gateway_timeout_s,
         fetch_wait_s=settings.worker.fetch_wait_s,
         ready_file=str(ready_file),
+        outcomes_subject=settings.nats.outcomes_subject,
+        outcome_events=True,
+        outbox_batch=settings.worker.outbox_batch,
+        outbox_poll_s=settings.worker.outbox_poll_s,
+        outbox_publish_timeout_s=settings.worker.outbox_publish_timeout_s,
     )
     argv = python_argv("-m", "benchmarks.bare_pipeline", config.model_dump_json())
     child = Child(name, argv, bench.log_dir / f"{name}.log", env=child_env(settings, ROOT))
@@ -58,7 +68,12 @@ def bare_consumer(bench: Bench, settings: Settings, name: str) -> ChildConsumer:
 
 
 def zero_latency_plan(
-    bench: Bench, messages: int, *, paced: bool = False, subscriptions: bool = False
+    bench: Bench,
+    messages: int,
+    *,
+    paced: bool = False,
+    subscriptions: bool = False,
+    events: Events = "outbox",
 ) -> Plan:
     return Plan(
         messages=messages,
@@ -68,13 +83,14 @@ def zero_latency_plan(
         paced_fraction=PACED_FRACTION if paced else 0.0,
         paced_s=bench.sizes.paced_s,
         subscriptions=subscriptions,
+        events=events,
     )
 
 
 async def bare_sample(bench: Bench, k: int) -> Drained:
     database_url = await bench.stack.new_database()
     settings = bench.settings(database_url)
-    plan = zero_latency_plan(bench, bench.sizes.throughput_messages)
+    plan = zero_latency_plan(bench, bench.sizes.throughput_messages, events="direct")
     consumer = bare_consumer(bench, settings, f"bare-{k}")
     return await bench.sample(f"bare pipeline {k}/{bench.sizes.repeats}", plan, settings, consumer)
 
@@ -98,4 +114,16 @@ async def verified_sample(bench: Bench, k: int) -> Drained:
     log_dir.mkdir(exist_ok=True)
     workers = Workers(settings, log_dir)
     label = f"worker, subscription check on {k}/{bench.sizes.repeats}"
+    return await bench.sample(label, plan, settings, workers)
+
+
+async def no_outbox_sample(bench: Bench, k: int) -> Drained:
+    """The worker with no outcome events: its ledger's outbox triggers disabled."""
+    database_url = await bench.stack.new_database()
+    settings = bench.settings(database_url)
+    plan = zero_latency_plan(bench, bench.sizes.throughput_messages, events="none")
+    log_dir = bench.log_dir / f"worker-no-outbox-{k}"
+    log_dir.mkdir(exist_ok=True)
+    workers = Workers(settings, log_dir)
+    label = f"worker, no outbox {k}/{bench.sizes.repeats}"
     return await bench.sample(label, plan, settings, workers)
