@@ -7,6 +7,10 @@ right reason). Everything in `FATAL` fails the run. Charges are counted per
 `(order_id, billing_period)` from the charge's metadata, whatever idempotency key it came
 with, and a refunded charge still counts: a refund repairs a double charge, it does not
 undo it.
+
+Every scenario also judges the outcome events (`outcome_events.py`): the `CHARGE_OUTCOMES`
+stream, read as a downstream consumer once the outbox drained, must agree with the ledger
+and the gateway key by key; its violations are fatal like the rest.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import re
 import statistics
 import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import httpx
@@ -26,7 +31,10 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from charge_worker.settings import NatsSettings
+from tests.chaos import outcome_events
 from tests.chaos.generator import Entry
+from tests.support.harness import eventually
+from tests.support.outcomes import Outcome, outcomes_batched
 
 FATAL = frozenset(
     {
@@ -38,6 +46,7 @@ FATAL = frozenset(
         "key_param_mismatch",
         "conflict_escaped",
         "wrong_charge_recorded",
+        *outcome_events.FATAL,
     }
 )
 REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the ledger forgets and the
@@ -45,6 +54,7 @@ REPAIRED_DOUBLE = "charged_twice_refunded"  # fine only where the ledger forgets
 CONFLICT_REPORTED = "conflict_reported"  # likewise
 _ORDER_ID = re.compile(rb'"order_id":\s*(\d{1,19})[,}]')
 _PERIOD = re.compile(rb'"billing_period":\s*"(\d{4}-\d{2}-\d{2})"')
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,8 @@ class Facts:
     redeliveries: int
     unknown_resolution_s: list[float]
     lookups: Counter[str]  # lookups before a call, by what they found ("nothing": spent)
+    events: list[Outcome] = field(default_factory=list)  # CHARGE_OUTCOMES, in stream order
+    unsent: Counter[str] = field(default_factory=Counter)  # outbox events not marked sent
 
 
 @dataclass
@@ -97,7 +109,7 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
             for r in await conn.fetch(
                 """SELECT a.idempotency_key AS key, a.status, a.amount_minor, a.customer_id,
                           a.gateway_calls, a.gateway_charge_id, a.review_reason,
-                          d.status AS deferred
+                          a.outcome_seq, a.updated_at, d.status AS deferred
                      FROM charge_attempts a
                 LEFT JOIN deferred_scoring_checks d USING (order_id, billing_period)"""
             )
@@ -124,6 +136,15 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
                 )
             }
         )
+        unsent = Counter(
+            {
+                f"{r['order_id']}:{r['billing_period'].isoformat()}": r["n"]
+                for r in await conn.fetch(
+                    """SELECT order_id, billing_period, count(*) AS n FROM charge_outcomes
+                        WHERE sent_at IS NULL GROUP BY 1, 2"""
+                )
+            }
+        )
         unknown = await conn.fetch(
             """SELECT extract(epoch FROM a.settled_at - min(e.at)) AS s
                  FROM charge_events e JOIN charge_attempts a USING (order_id, billing_period)
@@ -141,19 +162,47 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
         redeliveries,
         [float(r["s"]) for r in unknown],
         lookups,
+        await _patiently(lambda: outcomes_batched(nc.jetstream(), cfg)),
+        unsent,
     )
+
+
+OUTBOX_DRAIN_S = 60.0
+
+
+async def outbox_drained(database_url: str, within_s: float = OUTBOX_DRAIN_S) -> bool:
+    """Wait until the relays marked every outbox event sent (`charge_outcomes.sent_at`), for
+    up to `within_s`; whether they did. The relays run in the workers: keep one alive."""
+    conn = await asyncpg.connect(database_url)
+
+    async def drained() -> bool:
+        unsent = "SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL"
+        return bool(await conn.fetchval(unsent) == 0)
+
+    try:
+        await eventually(drained, "the outbox drained", within_s)
+    except AssertionError:
+        return False
+    finally:
+        await conn.close()
+    return True
 
 
 LEADERLESS_S = 30.0
 
 
 async def read_letters(nc: Client, cfg: NatsSettings) -> list[Letter]:
-    """Every dead letter. A clustered stream answers 503 while it elects a leader (a healed
+    """Every dead letter."""
+    return await _patiently(lambda: _letters(nc, cfg))
+
+
+async def _patiently(read: Callable[[], Awaitable[T]]) -> T:
+    """`read()`; a clustered stream answers 503 while it elects a leader (a healed
     partition, a killed leader): read again, for up to `LEADERLESS_S`."""
     deadline = time.monotonic() + LEADERLESS_S
     while True:
         try:
-            return await _letters(nc, cfg)
+            return await read()
         except nats.js.errors.ServiceUnavailableError:
             if time.monotonic() > deadline:
                 raise
@@ -193,7 +242,7 @@ def judge(
     `doubles_possible` too (a gateway without idempotency), a key charged twice whose extra
     charges were all refunded is `charged_twice_refunded` (reconcile must repair it).
     Reported, not fatal. A key charged once must name, in its row, the charge that holds
-    the money."""
+    the money. Then the outcome events (`outcome_events.judge`), in every scenario."""
     verdict = Verdict()
     letters_by_key: dict[str, list[Letter]] = defaultdict(list)
     for letter in facts.letters:
@@ -218,6 +267,13 @@ def judge(
     for key, charges in facts.charges.items():
         if key not in known and any(_made(c) for c in charges):
             verdict.add(key, "unexpected", f"{len(charges)} gateway charge(s) for no manifest key")
+    held = {
+        key: [c["id"] for c in charges if _captured(c)] for key, charges in facts.charges.items()
+    }
+    for key, outcome, detail in outcome_events.judge(
+        facts.events, facts.rows, held, facts.unsent, ledger_forgets=ledger_forgets
+    ):
+        verdict.add(key, outcome, detail)
     calls = [r["gateway_calls"] for r in facts.rows.values()] or [0]
     verdict.stats = {
         "gateway_calls_p50": statistics.median(calls),
@@ -234,6 +290,9 @@ def judge(
         "unknown_outcomes": len(facts.unknown_resolution_s),
         "unknown_resolution_p99_s": _p99(facts.unknown_resolution_s),
         "unknown_resolution_max_s": max(facts.unknown_resolution_s, default=0.0),
+        "outcome_events": len(facts.events),
+        "outcome_events_unsent": sum(facts.unsent.values()),
+        "events_of_lost_commits": verdict.outcomes[outcome_events.LOST_COMMIT],
     }
     return verdict
 

@@ -2,10 +2,11 @@
 
 The chaos suite kills and pauses its servers, so it always runs its own embedded
 nats-server and PostgreSQL (`Servers`, shared by the scenarios of one run) and ignores
-`NATS_URL` / `DATABASE_URL`. Each scenario gets a fresh database, fresh stream names, fresh
-simulators and proxies (`Cluster`). The workers reach NATS, PostgreSQL and the gateway only
-through the proxies, so a nemesis can slow, blackhole or reset their traffic; the harness
-itself (generator, checker) talks to the servers directly.
+`NATS_URL` / `DATABASE_URL`. Each scenario gets a fresh database, fresh stream names (the
+outcomes stream too: no run reads another's events), fresh simulators and proxies
+(`Cluster`). The workers reach NATS, PostgreSQL and the gateway only through the proxies,
+so a nemesis can slow, blackhole or reset their traffic; the harness itself (generator,
+checker) talks to the servers directly.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ CHAOS_SETTINGS: dict[str, Any] = {
     "scoring_breaker_reset_s": 2.0,
     "reconcile_quiet_s": 3.0,
     "db_pool_max": 20,
+    "outbox_retry_max_s": 2.0,
 }
 RESTART_AFTER_S = 0.5
 FAILPOINT_DEATH = "worker died at a failpoint"  # a SIGKILL no nemesis sent
@@ -366,6 +368,8 @@ async def cluster(
             subject=f"charges_{uid}.due",
             dlq_stream=f"CHARGES_DLQ_{uid}",
             dlq_subject=f"charges_{uid}.dlq",
+            outcomes_stream=f"CHARGE_OUTCOMES_{uid}",
+            outcomes_subject=f"charges_{uid}.outcome",
         )
         settings = settings_for(
             nats,

@@ -163,6 +163,9 @@ async def _attack_and_judge(
         except NotQuiet as error:
             not_quiet = str(error)
         converged = time.monotonic() - faults_over
+        # the relays run in the workers, kept alive by the supervisor until the outbox drained
+        if not await checker.outbox_drained(system.database_url):
+            chronicle("harness", f"the outbox did not drain in {checker.OUTBOX_DRAIN_S:g}s")
     finally:
         stop_faults.set()
         stop_supervisor.set()
@@ -223,7 +226,8 @@ async def _purge(system: Cluster, nc: Client, fraction: float, rng: random.Rando
 
 
 async def _open_work(system: Cluster, nc: Client) -> dict[str, int]:
-    """What is not done yet: messages pending or unacked, open ledger rows, deferred checks.
+    """What is not done yet: messages pending or unacked, open ledger rows, deferred checks,
+    outcome events not in their stream yet.
 
     Empty when the system is quiet."""
     cfg = system.settings.nats
@@ -234,7 +238,9 @@ async def _open_work(system: Cluster, nc: Client) -> dict[str, int]:
             """SELECT (SELECT count(*) FROM charge_attempts
                         WHERE status IN ('scheduled', 'pending')) AS open_rows,
                       (SELECT count(*) FROM deferred_scoring_checks
-                        WHERE status = 'pending') AS deferred_checks"""
+                        WHERE status = 'pending') AS deferred_checks,
+                      (SELECT count(*) FROM charge_outcomes
+                        WHERE sent_at IS NULL) AS unsent_events"""
         )
     finally:
         await conn.close()

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from tests.chaos.checker import FATAL, Facts, judge
 from tests.chaos.generator import Entry
+from tests.chaos.outcome_events import LOST_COMMIT
+from tests.support.outcomes import Outcome
 
 KEY = "1:2026-12-01"
 ENTRY = Entry(KEY, "charged_once", order_id=1, customer="cus_ok", amount=1000)
+DECLINED = Entry("2:2026-12-01", "declined", order_id=2, customer="cus_decline", amount=1000)
+CHANGED_AT = dt.datetime(2026, 12, 1, 0, 0, 5, tzinfo=dt.UTC)
 
 
 def _charge(charge_id: str, *, refunded: bool = False) -> dict[str, Any]:
@@ -24,15 +31,61 @@ def _charge(charge_id: str, *, refunded: bool = False) -> dict[str, Any]:
     }
 
 
-def _facts(charges: list[dict[str, Any]], recorded: str) -> Facts:
-    row = {
-        "status": "succeeded",
+def _row(status: str, recorded: str | None, outcome_seq: int = 1) -> dict[str, Any]:
+    return {
+        "status": status,
         "gateway_charge_id": recorded,
         "deferred": None,
         "review_reason": None,
         "gateway_calls": 1,
+        "outcome_seq": outcome_seq,
+        "updated_at": CHANGED_AT,
     }
-    return Facts({KEY: charges}, {KEY: row}, [], Counter(), 0, [], Counter())  # type: ignore[dict-item]
+
+
+def _event(
+    sequence: int,
+    kind: str = "succeeded",
+    *,
+    key: str = KEY,
+    charge: str | None = "ch_1",
+    at: dt.datetime = CHANGED_AT,
+    **extra: Any,
+) -> Outcome:
+    """A message as the relay publishes it (stream seq: filled in by `_stream`)."""
+    order_id, _, period = key.partition(":")
+    event_id = f"{key}:{sequence}"
+    body = {
+        "event_id": event_id,
+        "type": f"charge.{kind}",
+        "sequence": sequence,
+        "order_id": int(order_id),
+        "billing_period": period,
+        "gateway_charge_id": charge if kind in ("succeeded", "refunded", "disputed") else None,
+        "occurred_at": at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        **extra,
+    }
+    return Outcome(0, f"charges.outcome.{kind}", {"Nats-Msg-Id": f"outcome:{event_id}"}, body)
+
+
+def _stream(*events: Outcome) -> list[Outcome]:
+    return [Outcome(n, e.subject, e.headers, e.body) for n, e in enumerate(events, 1)]
+
+
+def _facts(
+    charges: list[dict[str, Any]],
+    recorded: str,
+    events: list[Outcome] | None = None,
+    *,
+    outcome_seq: int = 1,
+) -> Facts:
+    rows = {KEY: _row("succeeded", recorded, outcome_seq)}
+    stream = _stream(_event(1, charge=recorded)) if events is None else events
+    return Facts({KEY: charges}, rows, [], Counter(), 0, [], Counter(), stream)  # type: ignore[arg-type]
+
+
+def _fatal(facts: Facts, entries: list[Entry] | None = None) -> list[str]:
+    return [outcome for _, outcome, _ in judge(entries or [ENTRY], facts).fatal]
 
 
 def test_one_charge_recorded_by_its_id_is_charged_once() -> None:
@@ -50,7 +103,107 @@ def test_a_refunded_double_passes_only_where_the_gateway_could_double() -> None:
 
 
 def test_a_ledger_that_names_another_charge_than_the_one_held_is_fatal() -> None:
-    facts = _facts([_charge("ch_1", refunded=True), _charge("ch_2")], "ch_1")
+    facts = _facts(
+        [_charge("ch_1", refunded=True), _charge("ch_2")],
+        "ch_1",
+        _stream(_event(1, charge="ch_2")),
+    )
     verdict = judge([ENTRY], facts, ledger_forgets=True, doubles_possible=True)
     assert [outcome for _, outcome, _ in verdict.fatal] == ["wrong_charge_recorded"]
     assert "wrong_charge_recorded" in FATAL
+
+
+# --- the outcome events: CHARGE_OUTCOMES against the ledger and the gateway
+
+
+@pytest.mark.parametrize(
+    ("events", "outcome_seq", "fatal"),
+    [
+        # the relay died between the publish and the mark and the re-publish was stored
+        ([_event(1), _event(1)], 1, ["outcome_duplicate"]),
+        ([_event(1)], 2, ["outcome_missing"]),
+        ([_event(2, "blocked", review=True), _event(1)], 2, ["outcome_out_of_order"]),
+        ([_event(1), _event(2, "blocked", review=True)], 1, ["outcome_without_change"]),
+        ([_event(1), _event(2, "declined")], 2, ["outcome_wrong_last"]),
+        ([], 0, ["outcome_missing", "outcome_charge_unannounced"]),
+        ([_event(1, charge="ch_other")], 1, ["outcome_charge_unannounced"]),
+    ],
+    ids=[
+        "duplicate event_id",
+        "sequence missing",
+        "out of sequence order",
+        "beyond outcome_seq",
+        "wrong last type",
+        "charged, no event",
+        "succeeded names another charge",
+    ],
+)
+def test_the_outcome_stream_must_agree_with_the_ledger_and_the_gateway(
+    events: list[Outcome], outcome_seq: int, fatal: list[str]
+) -> None:
+    facts = _facts([_charge("ch_1")], "ch_1", _stream(*events), outcome_seq=outcome_seq)
+    assert sorted(_fatal(facts)) == sorted(fatal)
+    assert set(fatal) <= FATAL
+
+
+def test_a_late_verdict_or_a_dispute_may_follow_the_charge() -> None:
+    for last in (_event(2, "blocked", review=True), _event(2, "disputed")):
+        facts = _facts([_charge("ch_1")], "ch_1", _stream(_event(1), last), outcome_seq=2)
+        assert _fatal(facts) == []
+
+
+def test_a_declined_key_ends_with_its_declined_event() -> None:
+    rows = {DECLINED.key: _row("declined", None)}
+    for kind, fatal in (("declined", []), ("failed", ["outcome_wrong_last"])):
+        stream = _stream(_event(1, kind, key=DECLINED.key))
+        facts = Facts({}, rows, [], Counter(), 0, [], Counter(), stream)  # type: ignore[arg-type]
+        assert _fatal(facts, [DECLINED]) == fatal
+
+
+def test_an_event_for_a_key_the_ledger_has_no_row_for_is_fatal() -> None:
+    stranger = _event(1, key="3:2026-12-01", charge=None)
+    facts = _facts([_charge("ch_1")], "ch_1", _stream(_event(1), stranger))
+    verdict = judge([ENTRY], facts)
+    assert [(key, outcome) for key, outcome, _ in verdict.fatal] == [
+        ("3:2026-12-01", "outcome_without_row")
+    ]
+
+
+def test_an_event_the_outbox_never_marked_sent_is_fatal() -> None:
+    facts = _facts([_charge("ch_1")], "ch_1")
+    facts.unsent[KEY] = 1
+    assert _fatal(facts) == ["outcome_unpublished"]
+
+
+def test_a_message_whose_id_is_not_its_event_id_is_fatal() -> None:
+    event = _event(1)
+    wrong = Outcome(0, event.subject, {"Nats-Msg-Id": "outcome:1:2026-12-01:9"}, event.body)
+    assert _fatal(_facts([_charge("ch_1")], "ch_1", _stream(wrong))) == ["outcome_malformed"]
+
+
+def test_an_open_row_has_no_terminal_event_after_its_last_change() -> None:
+    later = CHANGED_AT + dt.timedelta(seconds=1)
+    for at, fatal in ((CHANGED_AT, []), (later, ["outcome_after_open"])):
+        # a failed row taken again (`pending`): its charge.failed came before that
+        stream = _stream(_event(1, "failed", charge=None, at=at))
+        rows = {KEY: _row("pending", None)}
+        facts = Facts({}, rows, [], Counter(), 0, [], Counter(), stream)  # type: ignore[arg-type]
+        assert [o for _, o, _ in judge([], facts).fatal] == fatal
+
+
+def test_where_the_ledger_forgets_an_event_of_a_lost_commit_is_reported_not_fatal() -> None:
+    # published before the failover lost its change; the change made again got the same
+    # event_id, which the stream dropped: the stream names the first charge, not the second
+    stream = _stream(_event(1, charge="ch_1"), _event(2, "blocked", review=True))
+    facts = _facts([_charge("ch_1", refunded=True), _charge("ch_2")], "ch_2", stream)
+    verdict = judge([ENTRY], facts, ledger_forgets=True, doubles_possible=True)
+    assert not verdict.fatal
+    assert verdict.outcomes[LOST_COMMIT] == 2  # beyond outcome_seq; ch_2 never announced
+    strict = judge([ENTRY], facts, ledger_forgets=False, doubles_possible=True)
+    assert {o for _, o, _ in strict.fatal} >= {
+        "outcome_without_change",
+        "outcome_charge_unannounced",
+    }
+    duplicated = _facts([_charge("ch_1")], "ch_1", _stream(_event(1), _event(1)))
+    forgot = judge([ENTRY], duplicated, ledger_forgets=True)
+    assert [o for _, o, _ in forgot.fatal] == ["outcome_duplicate"]
