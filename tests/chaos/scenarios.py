@@ -59,8 +59,36 @@ class Scenario:
         return needed | ({FAILPOINT_DEATH: usual} if ":exit" in self.failpoints else {})
 
 
+# every charge takes 0.4 s at the gateway: charges still flow when the faults strike
+FLOWING = {"latency": LatencyModel(fixed_s=0.4)}
 # every charge takes 2-8 s at the gateway
 SLOW_GATEWAY = {"latency": LatencyModel(slow_fraction=1.0, slow_min_s=2.0, slow_max_s=8.0)}
+
+# between the relay's publish and its mark: the next relay publishes the batch again, under
+# the same `Nats-Msg-Id`, and the stream must keep one message per event
+OUTBOX_POINT = "after_outcome_publish_before_mark"
+
+
+def _failpoint(point: str) -> Scenario:
+    """The worker kills itself at `point` with probability 0.2 (3 workers of concurrency 2)."""
+    shape: dict[str, Any] = {"quick_size": 50}
+    what = f"the worker kills itself at {point} with probability 0.2"
+    if "dead_letter" in point:  # only poison reaches it: enough that the worker dies
+        shape = {"quick_size": 100, "poison_share": 0.6}
+    elif point == OUTBOX_POINT:
+        # the relay takes a batch per poll (0.5 s) while events come: charges of 0.4 s keep
+        # them coming long enough for the point to strike, and at 10,000 keys the fleet
+        # still drains inside the quiet bound once the point is off
+        shape = {"quick_size": 100, "gateway": FLOWING, "full_settings": {"concurrency": 16}}
+        what += " a relayed batch, charges 0.4 s at the gateway"
+    return Scenario(
+        f"failpoint_{point}",
+        what,
+        workers=3,
+        settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
+        **shape,
+    )
+
 
 STRIPE = {"flavour": "stripe"}
 STRIPE_QUICK_SIZE = 150  # three scenarios inside `make test`: about 2 minutes of CI in all
@@ -73,18 +101,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         workers=3,
         nemeses=(nemesis.KILL_WORKER,),
     ),
-    *(
-        Scenario(
-            f"failpoint_{point}",
-            f"the worker kills itself at {point} with probability 0.2",
-            workers=3,
-            settings={"failpoints": f"{point}:exit:0.2", "concurrency": 2},
-            quick_size=100 if "dead_letter" in point else 50,
-            # only poison reaches the dead-letter point: enough of it that the worker dies
-            poison_share=0.6 if "dead_letter" in point else 0.03,
-        )
-        for point in sorted(POINTS)
-    ),
+    *(_failpoint(point) for point in sorted(POINTS)),
     Scenario(
         "redelivery_storm",
         "ack_wait 1 s, gateway 2-8 s, NATS latency bursts past ack_wait (late acks)",
@@ -244,7 +261,6 @@ FULL_ONLY: tuple[Scenario, ...] = (LEASE_OUTLIVED, LEASE_OUTLIVED_STRIPE)
 
 # The clustered engines. The gateway is slow and the workers few, so charges are still
 # flowing when the faults strike.
-FLOWING = {"latency": LatencyModel(fixed_s=0.4)}
 CLUSTERED: dict[str, Any] = {
     "shape": "cluster",
     "gateway": FLOWING,
