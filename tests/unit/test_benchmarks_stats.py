@@ -7,10 +7,10 @@ import math
 import random
 
 import pytest
-from benchmarks.drain import Drained
+from benchmarks.drain import Drained, Events
 from benchmarks.load import parse_timestamp
 from benchmarks.memory import plan_size
-from benchmarks.report import Results, cpu_split, ratios, table
+from benchmarks.report import Results, anomalies, cpu_split, outbox_cost, ratios, table
 from benchmarks.stats import (
     Summary,
     Target,
@@ -176,7 +176,16 @@ def test_memory_plan_size() -> None:
     assert plan_size(100_000, budget_s=10.0, rate_per_s=300.0).messages == 20_000
 
 
-def _drained(seconds: float, consumer_s: float, postgres_s: float) -> Drained:
+def _drained(
+    seconds: float,
+    consumer_s: float,
+    postgres_s: float,
+    *,
+    events: Events = "outbox",
+    outcomes: int | None = None,
+    outbox_rows: int | None = None,
+) -> Drained:
+    """A clean sample of 100 charges: one outcome event each, as `events` makes them."""
     return Drained(
         messages=100,
         acked=100,
@@ -186,6 +195,9 @@ def _drained(seconds: float, consumer_s: float, postgres_s: float) -> Drained:
         peak_rss=[1],
         rss=[1],
         statuses={"succeeded": 100},
+        events=events,
+        outcomes=(0 if events == "none" else 100) if outcomes is None else outcomes,
+        outbox_rows=(100 if events == "outbox" else 0) if outbox_rows is None else outbox_rows,
     )
 
 
@@ -207,3 +219,56 @@ def test_the_subscription_check_row_is_its_own_pair_of_ratios_against_the_same_b
     # without case 2b's samples (a run cut short before any), only case 2's pair
     results.worker_verified = []
     assert [item.key for item in ratios(results)] == ["throughput", "cpu"]
+
+
+def test_the_outbox_row_is_case_2_minus_case_2c_pair_by_pair() -> None:
+    results = Results(
+        concurrency=16,
+        bare=[_drained(1.0, 0.10, 0.04, events="direct")] * 3,
+        worker=[
+            _drained(1.25, 0.120, 0.060),
+            _drained(1.30, 0.130, 0.070),
+            _drained(1.20, 0.110, 0.050),
+        ],
+        worker_no_outbox=[
+            _drained(1.20, 0.115, 0.050, events="none"),
+            _drained(1.20, 0.120, 0.050, events="none"),
+            _drained(1.20, 0.110, 0.045, events="none"),
+        ],
+    )
+    cost = outbox_cost(results)
+    assert cost is not None
+    # per charge: consumer +50, +100, +0 us; PostgreSQL +100, +200, +50 us
+    assert cost.consumer == pytest.approx([50.0, 100.0, 0.0])
+    assert cost.postgres == pytest.approx([100.0, 200.0, 50.0])
+    assert cost.all == pytest.approx([150.0, 300.0, 50.0])
+    assert cost.share == pytest.approx([150 / 1800, 300 / 2000, 50 / 1600])
+    assert cost.rate == pytest.approx([1.20 / 1.25, 1.20 / 1.30, 1.0])
+    row = next(line for line in table(results) if line.startswith("outbox (2 - 2c)"))
+    assert "+50" in row  # the consumer's median
+    assert "all processes +150 us/charge (+150, +300, +50), 8% of the worker's" in row
+    split = cpu_split(results)
+    assert split[3].split()[-3:] == ["no", "outbox", "outbox"]
+    assert split[-3].split()[-1] == "+150"  # all processes, the median of the pairs
+    assert ratios(results)[0].key == "throughput"  # the targets stay worker against bare
+    assert not anomalies(results)
+    results.worker_no_outbox = []
+    assert outbox_cost(results) is None
+    assert not any(line.startswith("outbox") for line in table(results))
+
+
+@pytest.mark.parametrize(
+    ("events", "outcomes", "outbox_rows", "problem"),
+    [
+        ("outbox", 99, 100, "99 outcome events in the stream, expected 100"),
+        ("outbox", 100, 99, "99 rows in the outbox, expected 100"),
+        ("direct", 100, 100, "100 rows in the outbox, expected 0"),  # the triggers fired
+        ("none", 1, 0, "1 outcome events in the stream, expected 0"),
+        ("none", 0, 100, "100 rows in the outbox, expected 0"),
+    ],
+)
+def test_a_sample_is_checked_for_one_outcome_event_per_charge(
+    events: Events, outcomes: int, outbox_rows: int, problem: str
+) -> None:
+    sample = _drained(1.0, 0.1, 0.05, events=events, outcomes=outcomes, outbox_rows=outbox_rows)
+    assert anomalies(Results(concurrency=16, worker=[sample])) == [f"worker 1: {problem}"]
