@@ -70,6 +70,9 @@ RUN = Needs(
         Grant("deferred_scoring_checks", ("SELECT", "INSERT", "UPDATE")),
         _EVENTS,
         _RATE,
+        # the relay takes, marks and prunes the outcome events; the ledger row's triggers
+        # write them as the schema owner, so no role needs INSERT
+        Grant("charge_outcomes", ("SELECT", "UPDATE", "DELETE")),
     ),
 )
 # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match: the claim reads the message's subscription

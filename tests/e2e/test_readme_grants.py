@@ -1,9 +1,9 @@
 """Every command, as a process, with exactly the database grants docs/deploying.md gives.
 
 Its SQL block ("PostgreSQL roles") is run as written (tests/support/grants.py): `migrate`
-as the schema owner, then `produce`, `run`, `webhooks`, `reconcile`, `explain` and `dlq` as
-the worker role. Each must do its work; then a grant taken away turns `/readyz` of `run` and
-`webhooks` to 503, naming the table.
+as the schema owner, then `produce`, `run` (its relay publishing the outcome event),
+`webhooks`, `reconcile`, `explain` and `dlq` as the worker role. Each must do its work; then a
+grant taken away turns `/readyz` of `run` and `webhooks` to 503, naming the table.
 """
 
 from __future__ import annotations
@@ -106,6 +106,15 @@ async def test_every_command_works_with_exactly_the_readme_grants(
             return status == "succeeded"
 
         await eventually(charged, "the due charge made by the worker")
+
+        async def relayed() -> bool:
+            sent = await owner.fetchval(
+                "SELECT sent_at IS NOT NULL FROM charge_outcomes"
+                " WHERE order_id = 1 AND type = 'charge.succeeded'"
+            )
+            return bool(sent)
+
+        await eventually(relayed, "the outcome event published by the worker's relay")
         charge_id = await owner.fetchval(
             "SELECT gateway_charge_id FROM charge_attempts WHERE order_id = 1"
         )

@@ -1,7 +1,8 @@
 """The database grants of docs/deploying.md, set up exactly as written: every long-running
 command works with them, and its `/readyz` fails naming the table when one is missing. The
 internet-facing webhook receiver has a role of its own, holding exactly what
-`privileges.WEBHOOKS` names.
+`privileges.WEBHOOKS` names. No role may write the outbox of outcome events: the ledger
+row's triggers do, as the schema owner.
 
 The roles come from that page's own SQL (tests/support/grants.py); the test server is the
 embedded PostgreSQL, where the suite connects as a superuser.
@@ -19,11 +20,13 @@ from nats.aio.client import Client
 from charge_worker import privileges
 from charge_worker.errors import SettingsError
 from charge_worker.migrate import migrate
+from charge_worker.outcomes.outbox import Outbox
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
 from tests.support.grants import Roles, readme_roles
-from tests.support.harness import eventually, provisioned, running_worker, settings_for
+from tests.support.harness import due, eventually, provisioned, running_worker, settings_for
+from tests.support.outcomes import outcomes
 from tests.support.webhooks import (
     add_row,
     event,
@@ -70,6 +73,11 @@ async def test_with_the_readme_grants_the_receiver_journals_and_applies_deliveri
     assert await status_of(owner, refund["id"]) == "applied"
     assert (await ledger(owner, 1))["status"] == "refunded"
     assert purged == 0
+    # its change wrote its outcome event, though the receiver's role holds nothing on the outbox
+    events = await owner.fetch(
+        "SELECT type FROM charge_outcomes WHERE order_id = 1 ORDER BY sequence"
+    )
+    assert [e["type"] for e in events] == ["charge.succeeded", "charge.refunded"]
 
 
 async def test_the_receivers_readyz_names_the_table_of_a_missing_grant(
@@ -88,7 +96,15 @@ async def test_the_receivers_readyz_names_the_table_of_a_missing_grant(
     assert (await ledger(owner, 2))["status"] == "refunded"
 
 
+@pytest.mark.parametrize(
+    "grant",
+    [
+        "INSERT on deferred_scoring_checks",
+        "DELETE on charge_outcomes",  # the relay's pruning
+    ],
+)
 async def test_the_workers_readyz_names_the_table_of_a_missing_grant(
+    grant: str,
     roles: Roles,
     nats_settings: NatsSettings,
     nc: Client,
@@ -99,10 +115,49 @@ async def test_the_workers_readyz_names_the_table_of_a_missing_grant(
     await provisioned(nc, settings)
     async with running_worker(settings) as worker:
         assert (await readyz(worker.http_url)).text == "ready"
-        await roles.as_owner("REVOKE INSERT ON deferred_scoring_checks FROM charge_worker")
+        await roles.as_owner(f"REVOKE {grant} FROM charge_worker")
         lacking = await readyz(worker.http_url)
     assert lacking.status_code == 503
-    assert lacking.text == "the database role lacks INSERT on deferred_scoring_checks"
+    assert lacking.text == f"the database role lacks {grant}"
+
+
+async def test_with_the_readme_grants_the_relay_publishes_and_prunes_outcome_events(
+    roles: Roles,
+    owner: asyncpg.Connection,
+    nats_settings: NatsSettings,
+    nc: Client,
+    gateway_sim: ServedApp,
+    scoring_sim: ServedApp,
+) -> None:
+    """The worker role takes, marks (SELECT, UPDATE) and prunes (DELETE) the outbox's rows,
+    and cannot write one: the triggers do."""
+    settings = settings_for(nats_settings, roles.worker_url, gateway_sim.url, scoring_sim.url)
+    js = await provisioned(nc, settings)
+    async with running_worker(settings) as worker:
+        await js.publish(nats_settings.subject, due(5))
+
+        async def marked() -> bool:
+            return bool(await owner.fetchval("SELECT sent_at IS NOT NULL FROM charge_outcomes"))
+
+        await eventually(marked, "the outcome event published and marked sent")
+        ready = await readyz(worker.http_url)
+    pool = await asyncpg.create_pool(roles.worker_url, min_size=1, max_size=1)
+    try:
+        pruned = await Outbox(pool, hold_s=10, retry_max_s=60).prune(retention_s=0)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await pool.execute(
+                "INSERT INTO charge_outcomes (order_id, billing_period, sequence, type, body,"
+                " occurred_at, next_try_at) VALUES (6, '2026-12-01', 1, 'charge.succeeded',"
+                " '{}', now(), now())"
+            )
+    finally:
+        await pool.close()
+    assert (ready.status_code, ready.text) == (200, "ready")
+    assert [(o.subject, o.body["type"]) for o in await outcomes(js, nats_settings)] == [
+        (f"{nats_settings.outcomes_subject}.succeeded", "charge.succeeded")
+    ]
+    assert pruned == 1
+    assert await owner.fetchval("SELECT count(*) FROM charge_outcomes") == 0
 
 
 async def test_the_readme_grants_give_every_command_what_it_needs(roles: Roles) -> None:
