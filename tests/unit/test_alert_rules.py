@@ -54,6 +54,8 @@ DASHBOARD_METRICS = (
     "charge_worker_reconcile_double_charges",
     "charge_worker_reconcile_discrepancies",
     "charge_worker_deferred_checks_pending",
+    "charge_worker_outbox_oldest_unsent_seconds",
+    "charge_worker_outbox_publishes_total",
 )
 
 

@@ -74,11 +74,14 @@ class Relay:
             full = False
             try:
                 full = await self.relay_once() == self.cfg.outbox_batch
-                if time.monotonic() >= next_look:
-                    next_look = time.monotonic() + LOOK_EVERY_S
-                    await self.look()
             except ChargeWorkerError as error:
                 log.warning("outbox.relay_failed", error=str(error))
+            if time.monotonic() >= next_look:  # whatever the batch came to
+                next_look = time.monotonic() + LOOK_EVERY_S
+                try:
+                    await self.look()
+                except ChargeWorkerError as error:
+                    log.warning("outbox.look_failed", error=str(error))
             raise_if_cancelled()
             if not full:
                 with contextlib.suppress(TimeoutError):
