@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import re
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -28,7 +29,8 @@ from tests.integration.test_ledger import PERIOD, charge
 from tests.integration.test_outcome_relay import relay_for
 from tests.support.harness import WAIT_S, eventually
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "outcome_consumer.py"
+ROOT = Path(__file__).parents[2]
+EXAMPLE = ROOT / "examples" / "outcome_consumer.py"
 P = PERIOD.isoformat()
 
 
@@ -182,3 +184,9 @@ async def test_the_reference_consumer_runs_as_the_docs_show(
     assert f"order 1, {P}: charge.refunded\n" in lines
     assert f"  skipped: {subject}.partially_refunded outcome:2:{P}:2\n" in lines
     assert f"  stale: {subject}.succeeded outcome:2:{P}:1:late\n" in lines
+
+
+def test_the_docs_show_the_example_as_it_is() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "outcomes.md").read_text(), re.S)
+    assert blocks
+    assert all(block in EXAMPLE.read_text() for block in blocks)
