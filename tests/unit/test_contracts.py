@@ -4,18 +4,21 @@ Every JSON Schema is valid draft 2020-12; `asyncapi.yaml` and `gateway.openapi.y
 against their specifications' own schemas (vendored in `metaschemas/`: AsyncAPI 3.0.0 from
 the `@asyncapi/specs` package, OpenAPI 3.1 from `openapi-spec-validator`'s resources, both
 Apache-2.0). The charge-due schema and `charge_worker.messages` judge a table of bodies
-alike; the dead letters `charge_worker.dlq` writes satisfy their schema; the OpenAPI paths
-are exactly the gateway simulator's routes, and what the `contract` adapter sends and the
-simulator answers (in process, no server) satisfies the OpenAPI schemas.
+alike; the dead letters `charge_worker.dlq` writes satisfy their schema; what the outcome
+relay publishes (subject, headers, body) is what the AsyncAPI document and the outcome
+schema say; the OpenAPI paths are exactly the gateway simulator's routes, and what the
+`contract` adapter sends and the simulator answers (in process, no server) satisfies the
+OpenAPI schemas.
 """
 
 from __future__ import annotations
 
 import calendar
+import datetime as dt
 import gzip
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +28,17 @@ import pytest
 import referencing
 import referencing.jsonschema
 import yaml
+from nats.js.api import PubAck
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from charge_worker import dlq, messages
 from charge_worker.errors import PoisonMessage
 from charge_worker.gateway import ContractGateway
+from charge_worker.outcomes.outbox import Event, Published
+from charge_worker.outcomes.relay import OutboxMetrics, Relay
 from charge_worker.sandbox.gateway.app import GatewayConfig, GatewaySimulator, build_gateway_app
-from charge_worker.settings import GatewaySettings
+from charge_worker.settings import GatewaySettings, NatsSettings, WorkerSettings
 
 ROOT = Path(__file__).parents[2]
 CONTRACTS = ROOT / "docs" / "contracts"
@@ -392,7 +399,10 @@ def test_a_dead_letter_without_its_reason_is_refused() -> None:
     assert not DLQ_HEADERS.is_valid({k: v for k, v in headers.items() if k != "Dlq-Reason"})
 
 
-# --- outcome events (the interface of issue 36; nothing publishes them yet) ----------------
+# --- outcome events ---------------------------------------------------------------------
+# The bodies are the migration's triggers': tests/integration/test_outbox.py validates the
+# body of every path that writes one against the schema, test_outcome_relay.py what reaches
+# the stream. Here: the example, and what the relay makes of a body (subject, headers).
 
 OUTCOME = validator(SCHEMAS / "charge-outcome.v1.json")
 
@@ -433,6 +443,81 @@ def test_outcome_schema_refuses(case: str, changes: dict[str, object]) -> None:
 def test_outcome_schema_lets_a_new_type_through() -> None:
     event = _example_in(CONTRACTS / "charge-outcome.md") | {"type": "charge.partially_refunded"}
     assert OUTCOME.is_valid(event)
+
+
+class RecordingStream:
+    """JetStream's publish, recorded: what the relay sends, without a server."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, dict[str, str]]] = []
+
+    async def publish(
+        self, subject: str, payload: bytes, *, headers: dict[str, str], **options: object
+    ) -> PubAck:
+        self.sent.append((subject, payload, headers))
+        return PubAck(stream="CHARGE_OUTCOMES", seq=len(self.sent))
+
+
+class OneBatch:
+    """The outbox as the relay uses it, holding one batch of unsent events."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+
+    async def relay(
+        self,
+        limit: int,
+        publish: Callable[[list[Event]], Awaitable[Published]],
+        *,
+        before_mark: Callable[[], None],
+    ) -> list[tuple[Event, int | Exception]]:
+        return list(zip(self.events, await publish(self.events), strict=True))
+
+
+def _event(body: dict[str, Any], traceparent: str | None) -> Event:
+    period = dt.date.fromisoformat(body["billing_period"])
+    text = json.dumps(body)
+    return Event(body["order_id"], period, body["sequence"], body["type"], text, traceparent, 0)
+
+
+async def test_what_the_relay_publishes_is_what_the_asyncapi_document_says() -> None:
+    example = _example_in(CONTRACTS / "charge-outcome.md")
+    declined = example | {
+        "event_id": "7:2026-09-01:1",
+        "order_id": 7,
+        "sequence": 1,
+        "type": "charge.declined",
+        "gateway_charge_id": None,
+        "decline_code": "insufficient_funds",
+        "decline_class": "soft",
+    }
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    events = [_event(example, traceparent), _event(declined, None)]
+    stream = RecordingStream()
+    relay = Relay(
+        OneBatch(events),
+        stream,
+        NatsSettings(),
+        WorkerSettings(),
+        OutboxMetrics(CollectorRegistry()),
+    )
+    assert await relay.relay_once() == 2
+
+    channel = ASYNCAPI["channels"]["chargeOutcomes"]
+    message = ASYNCAPI["components"]["messages"]["chargeOutcome"]
+    headers_schema = jsonschema.Draft202012Validator(message["headers"])
+    kinds = channel["parameters"]["kind"]["examples"]
+    for (subject, payload, headers), event in zip(stream.sent, events, strict=True):
+        body = json.loads(payload)
+        assert payload.decode() == event.body  # the body as committed, byte for byte
+        assert errors_of(OUTCOME, body) == []
+        kind = body["type"].removeprefix("charge.")
+        assert kind in kinds
+        assert subject == channel["address"].replace("{kind}", kind)
+        assert errors_of(headers_schema, headers) == []
+        assert headers["Nats-Msg-Id"] == f"outcome:{body['event_id']}"
+    assert stream.sent[0][2]["traceparent"] == traceparent
+    assert "traceparent" not in stream.sent[1][2]
 
 
 # --- the gateway: OpenAPI against the simulator and the adapter ----------------------------
