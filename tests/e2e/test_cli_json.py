@@ -3,11 +3,13 @@ stdout, nothing else there, the same exit codes as without it (in process: tests
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -16,7 +18,9 @@ from charge_worker import streams
 from charge_worker.dlq import DeadLetters
 from charge_worker.migrate import default_directory
 from charge_worker.settings import NatsSettings
+from tests.integration.test_reconcile import put_row
 from tests.support.cli import Ran, cli
+from tests.support.harness import PERIOD
 
 # every command that prints a result (the others serve, or tell a story: run, webhooks,
 # sandbox *, demo)
@@ -97,6 +101,29 @@ def test_every_command_that_prints_a_result_offers_json(command: list[str]) -> N
     result = cli(*command, "--help", env={})
     assert result.returncode == 0, result.stderr
     assert "--json" in result.stdout
+
+
+def test_explain_json_carries_the_periods_outcome_events(database_url: str) -> None:
+    asyncio.run(a_row(database_url, 48291, "succeeded", charge_id="ch_1"))
+    period = PERIOD.isoformat()
+    result = cli("explain", "--json", "48291", period, env={"DATABASE_URL": database_url})
+
+    assert result.returncode == 0, result.stderr
+    outcomes = document(result)["outcomes"]
+    assert (outcomes["count"], outcomes["pruned"]) == (1, 0)
+    [event] = outcomes["events"]
+    assert (event["sequence"], event["type"]) == (1, "charge.succeeded")
+    assert (event["sent_at"], event["stream_seq"], event["tries"]) == (None, None, 0)
+    assert event["occurred_at"] == event["next_try_at"]  # due for its first try at once
+
+
+async def a_row(database_url: str, order_id: int, status: str, *, charge_id: str) -> None:
+    """A ledger row as a worker leaves it (its triggers write its outcome events)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await put_row(conn, order_id, status, charge_id=charge_id)
+    finally:
+        await conn.close()
 
 
 def test_migrate_json_lists_the_files_applied(empty_database_url: str) -> None:
