@@ -114,8 +114,13 @@ CREATE TRIGGER charge_outcome_decide BEFORE UPDATE ON charge_attempts FOR EACH R
 CREATE TRIGGER charge_outcome_decide_new BEFORE INSERT ON charge_attempts FOR EACH ROW
     WHEN (NEW.status NOT IN ('scheduled', 'pending'))
     EXECUTE FUNCTION charge_outcome_decide();
+-- (an update of `outcome_seq` alone is the relay moving a period past a taken event id:
+-- outcomes/outbox.py; it writes nothing)
 CREATE TRIGGER charge_outcome_write AFTER UPDATE ON charge_attempts FOR EACH ROW
-    WHEN (NEW.outcome_seq <> OLD.outcome_seq)
+    WHEN (NEW.outcome_seq <> OLD.outcome_seq
+          AND (OLD.status IS DISTINCT FROM NEW.status
+               OR OLD.disputed_at IS DISTINCT FROM NEW.disputed_at
+               OR OLD.review_reason IS DISTINCT FROM NEW.review_reason))
     EXECUTE FUNCTION charge_outcome_write();
 CREATE TRIGGER charge_outcome_write_new AFTER INSERT ON charge_attempts FOR EACH ROW
     WHEN (NEW.outcome_seq > 0)

@@ -4,6 +4,7 @@ per `event_id`, in `sequence` order per period, whatever fails in between."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import asyncpg
@@ -205,3 +206,60 @@ async def test_sent_events_past_the_retention_are_pruned(
     left = await pool.fetch("SELECT order_id FROM charge_outcomes ORDER BY order_id")
     assert [r["order_id"] for r in left] == [2, 3]  # a recent one, and one never sent
     assert await outbox.oldest_unsent_s() > 0
+
+
+async def test_an_id_a_failover_lost_commit_took_is_not_reused(
+    pool: asyncpg.Pool, nc: Client, provisioned: NatsSettings
+) -> None:
+    """An asynchronous standby promoted without the primary's last commits: the relay had
+    published the event of such a commit (1:…:1, charged ch_lost), the ledger no longer has
+    it, and the change made again gets sequence 1 once more. Inside the duplicate window the
+    stream would drop it as a re-publish, and downstream would never hear of it: the relay
+    tells the two apart by their bodies, and renumbers the period's unsent events past it."""
+    js = nc.jetstream()
+    lost = {"event_id": f"1:{PERIOD.isoformat()}:1", "sequence": 1, "gateway_charge_id": "ch_lost"}
+    await js.publish(
+        f"{provisioned.outcomes_subject}.succeeded",
+        json.dumps(lost).encode(),
+        headers={"Nats-Msg-Id": f"outcome:1:{PERIOD.isoformat()}:1"},
+    )
+    await succeed(pool, 1, "ch_now")
+    await pool.execute("UPDATE charge_attempts SET status = 'refunded'")  # unsent behind it
+    registry = CollectorRegistry()
+    relay = relay_for(pool, nc, provisioned, registry=registry)
+    while await unsent(pool):
+        await relay.relay_once()
+    stored = await outcomes(js, provisioned)
+    assert [(m.body["sequence"], m.body["gateway_charge_id"]) for m in stored] == [
+        (1, "ch_lost"),
+        (2, "ch_now"),
+        (3, "ch_now"),
+    ]
+    assert [m.body["type"] for m in stored[1:]] == ["charge.succeeded", "charge.refunded"]
+    assert [m.headers["Nats-Msg-Id"] for m in stored[1:]] == [
+        f"outcome:1:{PERIOD.isoformat()}:2",
+        f"outcome:1:{PERIOD.isoformat()}:3",
+    ]
+    assert await pool.fetchval("SELECT outcome_seq FROM charge_attempts") == 3
+    assert (
+        registry.get_sample_value("charge_worker_outbox_publishes_total", {"result": "renumbered"})
+        == 1
+    )
+    await pool.execute("UPDATE charge_attempts SET status = 'succeeded'")  # the next change
+    await relay.relay_once()
+    assert (await outcomes(js, provisioned))[-1].body["sequence"] == 4
+
+
+async def test_a_re_publish_of_the_same_event_is_not_renumbered(
+    pool: asyncpg.Pool, nc: Client, provisioned: NatsSettings
+) -> None:
+    await succeed(pool, 1)
+
+    def crash() -> None:
+        raise Crash
+
+    with pytest.raises(Crash):
+        await relay_for(pool, nc, provisioned, before_mark=crash).relay_once()
+    await relay_for(pool, nc, provisioned).relay_once()
+    assert await pool.fetchval("SELECT outcome_seq FROM charge_attempts") == 1
+    assert len(await outcomes(nc.jetstream(), provisioned)) == 1

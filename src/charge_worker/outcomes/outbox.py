@@ -9,6 +9,15 @@ transaction) and published again, under the same `Nats-Msg-Id`.
 
 Only the lowest unsent event of a period is ever taken, so a period's events reach the
 stream in `sequence` order whatever fails.
+
+An event id is never given to two events. A failover to an asynchronous standby may lose
+commits whose events the relay had published; the period's next change then gets a
+sequence number the stream already holds. Inside the duplicate window the stream answers
+"duplicate" and keeps the lost event: the relay compares the bodies, and when they differ
+(`Taken`) moves the period's unsent events and its counter up by one, so the change is
+published under a higher sequence, which a consumer that keeps the highest applies. Past
+the window nothing can tell, and a consumer's dedup by `event_id` drops it: the stated
+limit in docs/outcomes.md.
 """
 
 from __future__ import annotations
@@ -52,6 +61,29 @@ UPDATE charge_outcomes AS o
  WHERE (o.order_id, o.billing_period, o.sequence) = (k.order_id, k.billing_period, k.sequence)
 """
 
+# the period's row first: no change of it can write an event while its events move
+_LOCK_PERIOD = """
+UPDATE charge_attempts SET outcome_seq = outcome_seq + 1
+ WHERE order_id = $1 AND billing_period = $2
+"""
+
+_UNSENT_FROM = """
+SELECT sequence FROM charge_outcomes
+ WHERE order_id = $1 AND billing_period = $2 AND sent_at IS NULL AND sequence >= $3
+ ORDER BY sequence DESC
+"""
+
+# one event up by one; the highest first, so that no two ever share a number
+_MOVE_UP = """
+UPDATE charge_outcomes
+   SET sequence = sequence + 1, next_try_at = now(), last_error = $4,
+       body = body || jsonb_build_object(
+           'sequence', sequence + 1,
+           'event_id', concat_ws(':', order_id, to_char(billing_period, 'YYYY-MM-DD'),
+                                 sequence + 1))
+ WHERE order_id = $1 AND billing_period = $2 AND sequence = $3
+"""
+
 _OLDEST_UNSENT = """
 SELECT coalesce(extract(epoch FROM now() - min(occurred_at)), 0)::float8
   FROM charge_outcomes WHERE sent_at IS NULL
@@ -87,9 +119,18 @@ class Event:
         return self.type.removeprefix("charge.")
 
 
+@dataclass(frozen=True)
+class Taken:
+    """The stream holds another event under this one's id (at `stream_seq`): the event of
+    a commit a failover lost."""
+
+    stream_seq: int
+
+
 # What publishing a batch came to, per event in order: the stream sequence it is stored
 # at, or why it is not.
-Published = Sequence[int | Exception]
+Published = Sequence[int | Taken | Exception]
+Result = int | Taken | Exception
 
 
 class Outbox:
@@ -106,7 +147,7 @@ class Outbox:
         publish: Callable[[list[Event]], Awaitable[Published]],
         *,
         before_mark: Callable[[], None] = lambda: None,
-    ) -> list[tuple[Event, int | Exception]]:
+    ) -> list[tuple[Event, Result]]:
         """Take up to `limit` events, `publish` them, record what came of each; returns it."""
         async with translated("outbox"), self.pool.acquire() as conn, conn.transaction():
             await conn.execute(self._hold)
@@ -116,13 +157,20 @@ class Outbox:
             taken = [Event(*row.values()) for row in rows]
             results = list(zip(taken, await publish(taken), strict=True))
             before_mark()
-            sent = [(e, r) for e, r in results if not isinstance(r, Exception)]
+            sent = [(e, r) for e, r in results if isinstance(r, int)]
             failed = [(e, r) for e, r in results if isinstance(r, Exception)]
             if sent:
                 await conn.execute(_SENT, *_keys([e for e, _ in sent]), [r for _, r in sent])
             if failed:
                 error = f"{type(failed[0][1]).__name__}: {failed[0][1]}"[:500]
                 await conn.execute(_FAILED, *_keys([e for e, _ in failed]), error, self.retry_max_s)
+            for event, result in results:
+                if isinstance(result, Taken):
+                    key = (event.order_id, event.billing_period)
+                    await conn.execute(_LOCK_PERIOD, *key)
+                    why = f"{event.event_id} is taken in the stream (seq {result.stream_seq})"
+                    for row in await conn.fetch(_UNSENT_FROM, *key, event.sequence):
+                        await conn.execute(_MOVE_UP, *key, row["sequence"], why)
         return results
 
     async def oldest_unsent_s(self) -> float:

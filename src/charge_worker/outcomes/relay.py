@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.event_loop import raise_if_cancelled
-from charge_worker.outcomes.outbox import Event, Outbox, Published
+from charge_worker.outcomes.outbox import Event, Outbox, Published, Result, Taken
 from charge_worker.settings import NatsSettings, WorkerSettings
 
 log = structlog.get_logger(__name__)
@@ -40,13 +40,15 @@ class OutboxMetrics:
         publishes = Counter(
             "charge_worker_outbox_publishes",
             "Outcome events published by this pod's relay: `published` (stored), `duplicate`"
-            " (the stream had it already: a re-publish), `failed` (tried again later).",
+            " (the stream had it already: a re-publish), `failed` (tried again later),"
+            " `renumbered` (its id was taken by the event of a commit a failover lost).",
             ["result"],
             registry=registry,
         )
         self.published = publishes.labels("published")
         self.duplicate = publishes.labels("duplicate")
         self.failed = publishes.labels("failed")
+        self.renumbered = publishes.labels("renumbered")
 
 
 class Relay:
@@ -107,24 +109,33 @@ class Relay:
         await self.outbox.prune(self.cfg.outbox_retention_s)
 
     async def _publish(self, events: list[Event]) -> Published:
-        published: list[int | Exception] = []
+        published: list[Result] = []
         for result in await asyncio.gather(
             *(self._publish_one(event) for event in events), return_exceptions=True
         ):
-            if not isinstance(result, int | Exception):
+            if not isinstance(result, int | Taken | Exception):
                 raise result  # a cancellation: nothing is marked
             published.append(result)
         return published
 
-    async def _publish_one(self, event: Event) -> int:
+    async def _publish_one(self, event: Event) -> int | Taken:
         headers = {"Nats-Msg-Id": f"outcome:{event.event_id}"}
         if event.traceparent:
             headers["traceparent"] = event.traceparent
+        body = event.body.encode()
         ack = await self.js.publish(
             f"{self.subject}.{event.kind}",
-            event.body.encode(),
+            body,
             timeout=self.cfg.outbox_publish_timeout_s,
             headers=headers,
         )
-        (self.metrics.duplicate if ack.duplicate else self.metrics.published).inc()
-        return ack.seq
+        if not ack.duplicate:
+            self.metrics.published.inc()
+            return ack.seq
+        stored = await self.js.get_msg(ack.stream, ack.seq)
+        if stored.data == body:  # this event, published by a relay that died before the mark
+            self.metrics.duplicate.inc()
+            return ack.seq
+        self.metrics.renumbered.inc()
+        log.warning("outbox.event_id_taken", event_id=event.event_id, stream_seq=ack.seq)
+        return Taken(ack.seq)
