@@ -10,11 +10,12 @@ money at the gateway announced by a `charge.succeeded` naming it; no terminal ev
 the last change of a row that is not final; no event for a key the ledger has no row for.
 
 Where the ledger forgets (a failover lost acknowledged commits) the relay may have
-published an event whose change was lost, and the change made again gets the same
-`event_id`, which the stream drops as a duplicate: events beyond `outcome_seq`, without a
-row, a last type or charge id the ledger no longer agrees with are `event_of_lost_commit`,
-reported, not fatal. What no lost commit explains stays fatal there too: a duplicate, a
-sequence out of order or missing, an event never published, a malformed message.
+published an event whose change was lost: an event beyond `outcome_seq`, without a row, or
+a terminal one on a row the new ledger still holds open is `event_of_lost_commit`, reported,
+not fatal. The change made again is published under a higher sequence (the relay never
+reuses an id the stream holds), so the last event's type and the announcement of every
+charge that holds money stay fatal there, with a duplicate, a sequence out of order or
+missing, an event never published, a malformed message.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ FATAL = frozenset(
 )
 LOST_COMMIT = "event_of_lost_commit"
 # what a commit the failover lost explains (see the module docstring)
-FORGETTABLE = frozenset({WITHOUT_CHANGE, WITHOUT_ROW, WRONG_LAST, CHARGE_UNANNOUNCED, AFTER_OPEN})
+FORGETTABLE = frozenset({WITHOUT_CHANGE, WITHOUT_ROW, AFTER_OPEN})
 
 OPEN = frozenset({"scheduled", "pending", "processing"})
 TERMINAL = frozenset(
