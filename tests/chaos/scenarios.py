@@ -80,7 +80,7 @@ def _failpoint(point: str) -> Scenario:
         # them coming long enough for the point to strike, and at 10,000 keys the fleet
         # still drains inside the quiet bound once the point is off
         shape = {"quick_size": 100, "gateway": FLOWING, "full_settings": {"concurrency": 16}}
-        what += " a relayed batch, charges 0.4 s at the gateway"
+        what += ", charges 0.4 s at the gateway"
     return Scenario(
         f"failpoint_{point}",
         what,
