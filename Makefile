@@ -26,9 +26,10 @@ demo: $(STAMP)
 	$(BIN)/charge-worker demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 	$(BIN)/mypy
+	$(BIN)/mypy examples
 
 # localstripe (a Stripe fake by others, for tests/external) pins old dependencies: its own
 # venv, made once. No registry, no install: the external tier skips and says why.

@@ -118,6 +118,7 @@ EXPLAIN = Needs(
         Grant("charge_attempts", ("SELECT",)),
         Grant("deferred_scoring_checks", ("SELECT",)),
         Grant("charge_events", ("SELECT",)),
+        Grant("charge_outcomes", ("SELECT",)),
     ),
 )
 EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RECONCILE, EXPLAIN)
