@@ -7,7 +7,7 @@
 -- The period's last event number: `sequence` comes from the row, under the row's lock, so two
 -- paths can never give one period the same number. Instant (a constant default).
 ALTER TABLE charge_attempts ADD COLUMN outcome_seq integer NOT NULL DEFAULT 0;
--- ... and the type of that event, which the BEFORE trigger decides and the AFTER one writes.
+-- ... and the type of that event (an inserted row's is written by the AFTER trigger from it).
 ALTER TABLE charge_attempts ADD COLUMN outcome_type text;
 
 -- The class of `decline_code` (src/charge_worker/declines.py), as it was when the row was
@@ -18,23 +18,32 @@ ALTER TABLE charge_attempts ADD COLUMN decline_class text;
 ALTER TABLE charge_attempts ADD CONSTRAINT charge_attempts_decline_class_check
     CHECK (decline_class IN ('soft', 'customer_action', 'hard')) NOT VALID;
 
--- One row per event. The body is the message, built when the change commits (a snapshot of
--- the row then); the relay publishes it as it is. `next_try_at` is the relay's lease and its
--- backoff: a row is taken when it has come, and pushed forward when taken or failed.
+-- One row per event: the row's fields as the change committed them, from which the relay
+-- builds the message (outcomes/outbox.py, `Event.body`: the contract's rules on which field
+-- an event type carries live there, once). `next_try_at` is the relay's backoff: a row is
+-- taken when it has come, and pushed forward when its publish failed.
 CREATE TABLE charge_outcomes (
-    order_id       bigint      NOT NULL,
-    billing_period date        NOT NULL,
-    sequence       integer     NOT NULL CHECK (sequence > 0),
-    type           text        NOT NULL CHECK (type ~ '^charge\.[a-z][a-z_]*$'),
-    body           jsonb       NOT NULL,
-    traceparent    text,
-    occurred_at    timestamptz NOT NULL,
-    next_try_at    timestamptz NOT NULL,
-    tries          integer     NOT NULL DEFAULT 0 CHECK (tries >= 0),
-    last_error     text,
-    sent_at        timestamptz,
-    stream_seq     bigint,
-    PRIMARY KEY (order_id, billing_period, sequence)
+    order_id          bigint      NOT NULL,
+    billing_period    date        NOT NULL,
+    sequence          integer     NOT NULL CHECK (sequence > 0),
+    type              text        NOT NULL CHECK (type ~ '^charge\.[a-z][a-z_]*$'),
+    subscription_id   text        NOT NULL,
+    customer_id       text        NOT NULL,
+    amount_minor      bigint      NOT NULL,
+    currency          text        NOT NULL,
+    gateway_charge_id text,
+    decline_code      text,
+    decline_class     text,
+    review            boolean     NOT NULL,  -- a late verdict on a charged row
+    traceparent       text,
+    occurred_at       timestamptz NOT NULL,
+    next_try_at       timestamptz NOT NULL,
+    tries             integer     NOT NULL DEFAULT 0 CHECK (tries >= 0),
+    last_error        text,
+    sent_at           timestamptz,
+    stream_seq        bigint,
+    PRIMARY KEY (order_id, billing_period, sequence),
+    CHECK ((sent_at IS NULL) = (stream_seq IS NULL))
 );
 -- the relay's queue and the age of its oldest row: unsent rows only, few at any time
 CREATE INDEX charge_outcomes_unsent_idx ON charge_outcomes (occurred_at) WHERE sent_at IS NULL;
@@ -43,85 +52,59 @@ CREATE INDEX charge_outcomes_sent_idx ON charge_outcomes (sent_at) WHERE sent_at
 
 -- Which event a change of the row makes, if any: a new status the contract names; a dispute
 -- opened; a review reason set on a charged row by a late scoring verdict (`blocked`, with
--- `review: true` in the body). `processing`, `scheduled` and `pending` make none.
-CREATE FUNCTION charge_outcome_decide() RETURNS trigger LANGUAGE plpgsql AS $$
+-- `review: true`). `processing`, `scheduled` and `pending` make none. On an UPDATE the
+-- BEFORE trigger writes the event itself (one call a change); on an INSERT it only numbers
+-- it, and the AFTER trigger writes it: a BEFORE INSERT trigger runs before ON CONFLICT DO
+-- NOTHING (reconcile's adoption) has decided to insert nothing. The function runs as the
+-- schema's owner: the roles that change the ledger need no privilege on the outbox.
+CREATE FUNCTION charge_outcome() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path FROM CURRENT AS $$
 DECLARE
     kind text;
 BEGIN
-    IF TG_OP = 'INSERT' OR NEW.status IS DISTINCT FROM OLD.status THEN
-        IF NEW.status IN ('succeeded', 'declined', 'blocked', 'failed', 'refunded') THEN
-            kind := 'charge.' || NEW.status;
+    IF TG_WHEN = 'BEFORE' THEN
+        IF TG_OP = 'INSERT' OR NEW.status IS DISTINCT FROM OLD.status THEN
+            IF NEW.status IN ('succeeded', 'declined', 'blocked', 'failed', 'refunded') THEN
+                kind := 'charge.' || NEW.status;
+            END IF;
+        ELSIF NEW.disputed_at IS NOT NULL AND OLD.disputed_at IS NULL THEN
+            kind := 'charge.disputed';
+        ELSIF NEW.review_reason IS DISTINCT FROM OLD.review_reason
+              AND NEW.review_reason IS NOT NULL THEN
+            kind := 'charge.blocked';
         END IF;
-    ELSIF NEW.disputed_at IS NOT NULL AND OLD.disputed_at IS NULL THEN
-        kind := 'charge.disputed';
-    ELSIF NEW.review_reason IS DISTINCT FROM OLD.review_reason
-          AND NEW.review_reason IS NOT NULL THEN
-        kind := 'charge.blocked';
-    END IF;
-    IF kind IS NOT NULL THEN
+        IF kind IS NULL THEN
+            RETURN NEW;
+        END IF;
         NEW.outcome_seq := coalesce(OLD.outcome_seq, 0) + 1;
         NEW.outcome_type := kind;
+        IF TG_OP = 'INSERT' THEN
+            RETURN NEW;
+        END IF;
     END IF;
-    RETURN NEW;
-END
-$$;
-
--- Writes the event the BEFORE trigger decided. An AFTER trigger, because a BEFORE INSERT
--- trigger runs before ON CONFLICT DO NOTHING has decided to insert nothing. It runs as the
--- schema's owner: the roles that change the ledger need no privilege on the outbox.
-CREATE FUNCTION charge_outcome_write() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
-SET search_path FROM CURRENT AS $$
-DECLARE
-    at timestamptz := now();
-BEGIN
-    INSERT INTO charge_outcomes (order_id, billing_period, sequence, type, body, traceparent,
+    INSERT INTO charge_outcomes (order_id, billing_period, sequence, type, subscription_id,
+                                 customer_id, amount_minor, currency, gateway_charge_id,
+                                 decline_code, decline_class, review, traceparent,
                                  occurred_at, next_try_at)
     VALUES (NEW.order_id, NEW.billing_period, NEW.outcome_seq, NEW.outcome_type,
-            jsonb_build_object(
-                'schema', 'charge.outcome/v1',
-                'event_id', concat_ws(':', NEW.order_id, to_char(NEW.billing_period, 'YYYY-MM-DD'),
-                                    NEW.outcome_seq),
-                'type', NEW.outcome_type,
-                'sequence', NEW.outcome_seq,
-                'order_id', NEW.order_id,
-                'billing_period', NEW.billing_period,
-                'subscription_id', NEW.subscription_id,
-                'customer_id', NEW.customer_id,
-                'amount_minor', NEW.amount_minor,
-                'currency', NEW.currency,
-                'attempt', 1,
-                'gateway_charge_id', CASE WHEN NEW.outcome_type IN
-                    ('charge.succeeded', 'charge.refunded', 'charge.disputed')
-                    THEN NEW.gateway_charge_id END,
-                'decline_code', CASE WHEN NEW.outcome_type = 'charge.declined'
-                    THEN coalesce(NEW.decline_code, 'generic_decline') END,
-                'decline_class', CASE WHEN NEW.outcome_type = 'charge.declined'
-                    THEN coalesce(NEW.decline_class, 'soft') END,
-                'occurred_at', to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'))
-            -- a late verdict on a charged row: the charge stands, a person reviews it
-            || CASE WHEN NEW.outcome_type = 'charge.blocked' AND NEW.status <> 'blocked'
-                    THEN '{"review": true}'::jsonb ELSE '{}'::jsonb END,
-            NEW.traceparent, at, at);
-    RETURN NULL;
+            NEW.subscription_id, NEW.customer_id, NEW.amount_minor, NEW.currency,
+            NEW.gateway_charge_id, NEW.decline_code, NEW.decline_class,
+            NEW.outcome_type = 'charge.blocked' AND NEW.status <> 'blocked', NEW.traceparent,
+            now(), now());
+    RETURN CASE WHEN TG_WHEN = 'BEFORE' THEN NEW END;
 END
 $$;
 
-CREATE TRIGGER charge_outcome_decide BEFORE UPDATE ON charge_attempts FOR EACH ROW
+-- (an update of `outcome_seq` alone is the relay moving a period past a taken event id:
+-- outcomes/outbox.py; the WHEN clause keeps it, and every other update, from the function)
+CREATE TRIGGER charge_outcome BEFORE UPDATE ON charge_attempts FOR EACH ROW
     WHEN (OLD.status IS DISTINCT FROM NEW.status
           OR OLD.disputed_at IS DISTINCT FROM NEW.disputed_at
           OR OLD.review_reason IS DISTINCT FROM NEW.review_reason)
-    EXECUTE FUNCTION charge_outcome_decide();
-CREATE TRIGGER charge_outcome_decide_new BEFORE INSERT ON charge_attempts FOR EACH ROW
+    EXECUTE FUNCTION charge_outcome();
+CREATE TRIGGER charge_outcome_numbered BEFORE INSERT ON charge_attempts FOR EACH ROW
     WHEN (NEW.status NOT IN ('scheduled', 'pending'))
-    EXECUTE FUNCTION charge_outcome_decide();
--- (an update of `outcome_seq` alone is the relay moving a period past a taken event id:
--- outcomes/outbox.py; it writes nothing)
-CREATE TRIGGER charge_outcome_write AFTER UPDATE ON charge_attempts FOR EACH ROW
-    WHEN (NEW.outcome_seq <> OLD.outcome_seq
-          AND (OLD.status IS DISTINCT FROM NEW.status
-               OR OLD.disputed_at IS DISTINCT FROM NEW.disputed_at
-               OR OLD.review_reason IS DISTINCT FROM NEW.review_reason))
-    EXECUTE FUNCTION charge_outcome_write();
-CREATE TRIGGER charge_outcome_write_new AFTER INSERT ON charge_attempts FOR EACH ROW
+    EXECUTE FUNCTION charge_outcome();
+CREATE TRIGGER charge_outcome_inserted AFTER INSERT ON charge_attempts FOR EACH ROW
     WHEN (NEW.outcome_seq > 0)
-    EXECUTE FUNCTION charge_outcome_write();
+    EXECUTE FUNCTION charge_outcome();

@@ -146,9 +146,10 @@ async def test_with_the_readme_grants_the_relay_publishes_and_prunes_outcome_eve
         pruned = await Outbox(pool, hold_s=10, retry_max_s=60).prune(retention_s=0)
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await pool.execute(
-                "INSERT INTO charge_outcomes (order_id, billing_period, sequence, type, body,"
-                " occurred_at, next_try_at) VALUES (6, '2026-12-01', 1, 'charge.succeeded',"
-                " '{}', now(), now())"
+                "INSERT INTO charge_outcomes (order_id, billing_period, sequence, type,"
+                " subscription_id, customer_id, amount_minor, currency, review, occurred_at,"
+                " next_try_at) VALUES (6, '2026-12-01', 1, 'charge.succeeded', 'sub_6',"
+                " 'cus_ok', 99000, 'RUB', false, now(), now())"
             )
     finally:
         await pool.close()

@@ -18,6 +18,7 @@ import pytest
 
 from charge_worker.errors import LeaseHeld
 from charge_worker.ledger import Attempted, DeferredCheck, DeferredChecks, Ledger, Settlement
+from charge_worker.outcomes.outbox import Event
 from tests.integration.test_ledger import PERIOD, charge
 from tests.support.contracts import schema
 
@@ -30,18 +31,23 @@ def ledger(pool: asyncpg.Pool) -> Ledger:
 
 
 async def events(pool: asyncpg.Pool, order_id: int = ORDER) -> list[dict[str, Any]]:
+    """The key's events as the relay will publish them, each checked against the schema."""
     rows = await pool.fetch(
-        "SELECT sequence, type, body, traceparent, sent_at FROM charge_outcomes"
+        "SELECT order_id, billing_period, sequence, type, subscription_id, customer_id,"
+        " amount_minor, currency, gateway_charge_id, decline_code, decline_class, review,"
+        " traceparent, occurred_at, sent_at FROM charge_outcomes"
         " WHERE order_id = $1 AND billing_period = $2 ORDER BY sequence",
         order_id,
         PERIOD,
     )
-    bodies = [json.loads(r["body"]) for r in rows]
-    for r, body in zip(rows, bodies, strict=True):
+    bodies = []
+    for row in rows:
+        assert row["sent_at"] is None
+        body = json.loads(Event(*list(row.values())[:-1]).body())
         jsonschema.validate(body, schema("charge-outcome.v1.json"))
-        assert (body["sequence"], body["type"]) == (r["sequence"], r["type"])
-        assert body["event_id"] == f"{order_id}:{PERIOD.isoformat()}:{r['sequence']}"
-        assert r["sent_at"] is None
+        assert (body["sequence"], body["type"]) == (row["sequence"], row["type"])
+        assert body["event_id"] == f"{order_id}:{PERIOD.isoformat()}:{row['sequence']}"
+        bodies.append(body)
     return bodies
 
 

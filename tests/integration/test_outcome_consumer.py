@@ -28,6 +28,7 @@ from charge_worker.settings import NatsSettings
 from tests.integration.test_ledger import PERIOD, charge
 from tests.integration.test_outcome_relay import relay_for
 from tests.support.harness import WAIT_S, eventually
+from tests.support.outcomes import outcomes
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "outcome_consumer.py"
@@ -73,8 +74,8 @@ async def stream(pool: asyncpg.Pool, nc: Client, nats_settings: NatsSettings) ->
         )
 
     await eventually(relayed, "every event in the stream")
-    rows = await pool.fetch("SELECT order_id, sequence, body::text AS body FROM charge_outcomes")
-    body = {(r["order_id"], r["sequence"]): json.loads(r["body"]) for r in rows}
+    published = await outcomes(js, cfg)
+    body = {(m.body["order_id"], m.body["sequence"]): m.body for m in published}
     assert len(body) == 6
 
     async def publish(event: dict[str, Any], msg_id: str) -> bool:

@@ -35,7 +35,7 @@ from pydantic import SecretStr
 from charge_worker import dlq, messages
 from charge_worker.errors import PoisonMessage
 from charge_worker.gateway import ContractGateway
-from charge_worker.outcomes.outbox import Event, Published
+from charge_worker.outcomes.outbox import Event, Published, Result
 from charge_worker.outcomes.relay import OutboxMetrics, Relay
 from charge_worker.sandbox.gateway.app import GatewayConfig, GatewaySimulator, build_gateway_app
 from charge_worker.settings import GatewaySettings, NatsSettings, WorkerSettings
@@ -470,14 +470,28 @@ class OneBatch:
         publish: Callable[[list[Event]], Awaitable[Published]],
         *,
         before_mark: Callable[[], None],
-    ) -> list[tuple[Event, int | Exception]]:
+    ) -> list[tuple[Event, Result]]:
         return list(zip(self.events, await publish(self.events), strict=True))
 
 
 def _event(body: dict[str, Any], traceparent: str | None) -> Event:
-    period = dt.date.fromisoformat(body["billing_period"])
-    text = json.dumps(body)
-    return Event(body["order_id"], period, body["sequence"], body["type"], text, traceparent, 0)
+    """The outbox row the ledger's trigger writes for the change `body` tells."""
+    return Event(
+        body["order_id"],
+        dt.date.fromisoformat(body["billing_period"]),
+        body["sequence"],
+        body["type"],
+        body["subscription_id"],
+        body["customer_id"],
+        body["amount_minor"],
+        body["currency"],
+        body["gateway_charge_id"],
+        body["decline_code"],
+        body["decline_class"],
+        body.get("review", False),
+        traceparent,
+        dt.datetime.fromisoformat(body["occurred_at"]),
+    )
 
 
 async def test_what_the_relay_publishes_is_what_the_asyncapi_document_says() -> None:
@@ -492,6 +506,7 @@ async def test_what_the_relay_publishes_is_what_the_asyncapi_document_says() -> 
         "decline_class": "soft",
     }
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    bodies = [example, declined]
     events = [_event(example, traceparent), _event(declined, None)]
     stream = RecordingStream()
     relay = Relay(
@@ -507,9 +522,12 @@ async def test_what_the_relay_publishes_is_what_the_asyncapi_document_says() -> 
     message = ASYNCAPI["components"]["messages"]["chargeOutcome"]
     headers_schema = jsonschema.Draft202012Validator(message["headers"])
     kinds = channel["parameters"]["kind"]["examples"]
-    for (subject, payload, headers), event in zip(stream.sent, events, strict=True):
+    for (subject, payload, headers), event, expected in zip(
+        stream.sent, events, bodies, strict=True
+    ):
         body = json.loads(payload)
-        assert payload.decode() == event.body  # the body as committed, byte for byte
+        assert body == expected  # the contract's own example, field for field
+        assert payload == event.body()  # the same bytes each time: a re-publish is a duplicate
         assert errors_of(OUTCOME, body) == []
         kind = body["type"].removeprefix("charge.")
         assert kind in kinds

@@ -23,6 +23,7 @@ limit in docs/outcomes.md.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -30,15 +31,20 @@ from dataclasses import dataclass
 import asyncpg
 
 from charge_worker.database import translated
+from charge_worker.declines import GENERIC_DECLINE, decline_class
 
+# `e.stream_seq IS NULL`, not `e.sent_at IS NULL` (the same rows: a CHECK holds them
+# together): a predicate no partial index matches keeps the probe on the primary key, where
+# an analyzed, mostly sent outbox would have the planner scan every unsent row per candidate
 _TAKE = """
-SELECT o.order_id, o.billing_period, o.sequence, o.type, o.body::text AS body, o.traceparent,
-       o.tries
+SELECT o.order_id, o.billing_period, o.sequence, o.type, o.subscription_id, o.customer_id,
+       o.amount_minor, o.currency, o.gateway_charge_id, o.decline_code, o.decline_class,
+       o.review, o.traceparent, o.occurred_at
   FROM charge_outcomes AS o
  WHERE o.sent_at IS NULL AND o.next_try_at <= now()
    AND NOT EXISTS (SELECT FROM charge_outcomes AS e
                     WHERE e.order_id = o.order_id AND e.billing_period = o.billing_period
-                      AND e.sequence < o.sequence AND e.sent_at IS NULL)
+                      AND e.sequence < o.sequence AND e.stream_seq IS NULL)
  ORDER BY o.occurred_at
  LIMIT $1
    FOR UPDATE SKIP LOCKED
@@ -75,12 +81,7 @@ SELECT sequence FROM charge_outcomes
 
 # one event up by one; the highest first, so that no two ever share a number
 _MOVE_UP = """
-UPDATE charge_outcomes
-   SET sequence = sequence + 1, next_try_at = now(), last_error = $4,
-       body = body || jsonb_build_object(
-           'sequence', sequence + 1,
-           'event_id', concat_ws(':', order_id, to_char(billing_period, 'YYYY-MM-DD'),
-                                 sequence + 1))
+UPDATE charge_outcomes SET sequence = sequence + 1, next_try_at = now(), last_error = $4
  WHERE order_id = $1 AND billing_period = $2 AND sequence = $3
 """
 
@@ -97,17 +98,29 @@ DELETE FROM charge_outcomes WHERE (order_id, billing_period, sequence) IN (
 """
 
 
+# the types whose event names the charge that holds the money
+_HOLDS_MONEY = frozenset({"charge.succeeded", "charge.refunded", "charge.disputed"})
+_DECLINES = frozenset({"charge.declined", "charge.action_required", "charge.retry_scheduled"})
+
+
 @dataclass(frozen=True)
 class Event:
-    """An unsent outcome event: its body is the message, as committed."""
+    """An unsent outcome event: the ledger row's fields as its change committed them."""
 
     order_id: int
     billing_period: dt.date
     sequence: int
     type: str
-    body: str
+    subscription_id: str
+    customer_id: str
+    amount_minor: int
+    currency: str
+    gateway_charge_id: str | None
+    decline_code: str | None
+    decline_class: str | None
+    review: bool
     traceparent: str | None
-    tries: int
+    occurred_at: dt.datetime
 
     @property
     def event_id(self) -> str:
@@ -117,6 +130,33 @@ class Event:
     def kind(self) -> str:
         """The subject's last token: `charge.succeeded` -> `succeeded`."""
         return self.type.removeprefix("charge.")
+
+    def body(self) -> bytes:
+        """The message (`charge.outcome/v1`): the same bytes for the same event, always."""
+        declined = self.type in _DECLINES
+        code = (self.decline_code or GENERIC_DECLINE) if declined else None
+        document: dict[str, object] = {
+            "schema": "charge.outcome/v1",
+            "event_id": self.event_id,
+            "type": self.type,
+            "sequence": self.sequence,
+            "order_id": self.order_id,
+            "billing_period": self.billing_period.isoformat(),
+            "subscription_id": self.subscription_id,
+            "customer_id": self.customer_id,
+            "amount_minor": self.amount_minor,
+            "currency": self.currency,
+            "attempt": 1,
+            "gateway_charge_id": self.gateway_charge_id if self.type in _HOLDS_MONEY else None,
+            "decline_code": code,
+            "decline_class": (self.decline_class or decline_class(code)) if declined else None,
+            "occurred_at": self.occurred_at.astimezone(dt.UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+        }
+        if self.review:
+            document["review"] = True
+        return json.dumps(document, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)

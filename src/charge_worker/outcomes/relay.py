@@ -122,7 +122,7 @@ class Relay:
         headers = {"Nats-Msg-Id": f"outcome:{event.event_id}"}
         if event.traceparent:
             headers["traceparent"] = event.traceparent
-        body = event.body.encode()
+        body = event.body()
         ack = await self.js.publish(
             f"{self.subject}.{event.kind}",
             body,
