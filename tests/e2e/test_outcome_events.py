@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -31,14 +29,6 @@ from tests.support.producer import DAY, Sub, add_subscriptions, all_final
 
 PERIOD = DAY.isoformat()
 API_KEY = "sk_test_sandbox"
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    workers: list[WorkerProcess] = []
-    yield workers
-    for worker in workers:
-        worker.kill()
 
 
 async def downstream(nc: Client, cfg: NatsSettings, expected: int) -> list[dict[str, Any]]:

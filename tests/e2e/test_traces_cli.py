@@ -44,14 +44,6 @@ def receiver() -> Iterator[OtlpReceiver]:
         yield served
 
 
-@pytest.fixture
-def spawn() -> Iterator[list[WorkerProcess]]:
-    workers: list[WorkerProcess] = []
-    yield workers
-    for worker in workers:
-        worker.kill()
-
-
 async def _produce(settings: Settings, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("CHARGE_WORKER_", "OTEL_"))}
     proc = await asyncio.create_subprocess_exec(

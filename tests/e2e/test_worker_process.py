@@ -7,12 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import httpx
-import pytest
 from nats.aio.client import Client
 
 from charge_worker.sandbox.embedded import free_port
@@ -31,14 +29,6 @@ from tests.support.harness import (
 )
 
 FAST = {"gateway_timeout_s": 1.0, "lease_s": 7.0, "ack_wait_s": 2.0, "backoff_s": (2.0, 4.0)}
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    workers: list[WorkerProcess] = []
-    yield workers
-    for worker in workers:
-        worker.kill()
 
 
 async def row(database_url: str, order_id: int) -> asyncpg.Record | None:

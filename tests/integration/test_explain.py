@@ -19,6 +19,7 @@ from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from tests.support.harness import eventually, provisioned, running_worker, set_sim, settings_for
+from tests.support.outcomes import unsent
 
 from .test_ledger import PERIOD, charge
 from .test_outcome_relay import relay_for
@@ -72,8 +73,7 @@ async def test_scheduled_published_charged_then_a_double_refunded(
         await eventually(charged, "the charge settled")
 
         async def relayed() -> bool:
-            unsent = "SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL"
-            return bool(await conn.fetchval(unsent) == 0)
+            return await unsent(conn) == 0
 
         await eventually(relayed, "the worker's relay published the outcome event")
     await set_sim(gateway_sim.url, idempotency_enabled=False)

@@ -28,7 +28,7 @@ from charge_worker.settings import NatsSettings
 from tests.integration.test_ledger import PERIOD, charge
 from tests.integration.test_outcome_relay import relay_for
 from tests.support.harness import WAIT_S, eventually
-from tests.support.outcomes import outcomes
+from tests.support.outcomes import outcomes, unsent
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "outcome_consumer.py"
@@ -69,9 +69,7 @@ async def stream(pool: asyncpg.Pool, nc: Client, nats_settings: NatsSettings) ->
 
     async def relayed() -> bool:
         await relay.relay_once()
-        return bool(
-            await pool.fetchval("SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL") == 0
-        )
+        return await unsent(pool) == 0
 
     await eventually(relayed, "every event in the stream")
     published = await outcomes(js, cfg)

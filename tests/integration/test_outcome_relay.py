@@ -20,7 +20,7 @@ from charge_worker.outcomes.relay import OutboxMetrics, Relay
 from charge_worker.settings import NatsSettings, WorkerSettings
 from tests.integration.test_ledger import PERIOD, charge
 from tests.support.contracts import schema
-from tests.support.outcomes import outcomes
+from tests.support.outcomes import outcomes, unsent
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -56,10 +56,6 @@ async def succeed(pool: asyncpg.Pool, order_id: int, charge_id: str | None = Non
     await ledger.settle(
         claim, Settlement("succeeded", charge_id=charge_id or f"ch_{order_id}"), story=None
     )
-
-
-async def unsent(pool: asyncpg.Pool) -> int:
-    return int(await pool.fetchval("SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL"))
 
 
 async def test_committed_events_reach_the_stream_marked_with_their_place(

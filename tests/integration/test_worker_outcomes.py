@@ -17,7 +17,7 @@ from tests.support.harness import (
     running_worker,
     settings_for,
 )
-from tests.support.outcomes import outcomes
+from tests.support.outcomes import outcomes, unsent
 
 
 @pytest.fixture
@@ -27,10 +27,6 @@ def settings(
     return settings_for(
         nats_settings, database_url, gateway_sim.url, scoring_sim.url, outbox_retry_max_s=1.0
     )
-
-
-async def unsent(pool: asyncpg.Pool) -> int:
-    return int(await pool.fetchval("SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL"))
 
 
 async def drained(pool: asyncpg.Pool) -> bool:

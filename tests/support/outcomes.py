@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -80,3 +81,8 @@ async def outcomes_batched(
     finally:
         await sub.unsubscribe()
     return [outcome for outcome in found if outcome.seq <= last]
+
+
+async def unsent(pool: asyncpg.Pool | asyncpg.Connection) -> int:
+    """Outcome events the outbox holds that are not in the stream yet."""
+    return int(await pool.fetchval("SELECT count(*) FROM charge_outcomes WHERE sent_at IS NULL"))

@@ -169,8 +169,8 @@ class Taken:
 
 # What publishing a batch came to, per event in order: the stream sequence it is stored
 # at, or why it is not.
-Published = Sequence[int | Taken | Exception]
 Result = int | Taken | Exception
+Published = Sequence[Result]
 
 
 class Outbox:
