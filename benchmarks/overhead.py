@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import gc
-import json
 import math
 import os
 import statistics
@@ -69,6 +69,7 @@ from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Pipeline
 
 CONCURRENCY = 16
+OCCURRED_AT = dt.datetime(2026, 12, 1, 0, 0, 1, tzinfo=dt.UTC)
 WARM_UP_ROUNDS = 3
 FAKE_ENV = {
     "NATS_URL": "nats://127.0.0.1:1",
@@ -160,24 +161,23 @@ class Pool(Connection):
 
 
 def outbox_row(order_id: int) -> dict[str, object]:
-    """An outbox row as the relay reads it: the `charge.succeeded` of `order_id`."""
-    event_id = f"{order_id}:{PERIOD.isoformat()}:1"
-    body = json.dumps(
-        {"schema": "charge.outcome/v1", "event_id": event_id, "type": "charge.succeeded"}
-        | {"sequence": 1, "order_id": order_id, "billing_period": PERIOD.isoformat()}
-        | {"subscription_id": f"sub_{order_id}", "customer_id": "cus_bench_1"}
-        | {"amount_minor": 99000, "currency": "RUB", "attempt": 1}
-        | {"gateway_charge_id": f"ch_{order_id}", "decline_code": None, "decline_class": None}
-        | {"occurred_at": "2026-12-01T00:00:01.000Z"}
-    )
+    """An outbox row as the relay reads it (`outbox._TAKE`'s columns, in order): the
+    `charge.succeeded` of `order_id`."""
     return {
         "order_id": order_id,
         "billing_period": PERIOD,
         "sequence": 1,
         "type": "charge.succeeded",
-        "body": body,
+        "subscription_id": f"sub_{order_id}",
+        "customer_id": "cus_bench_1",
+        "amount_minor": 99000,
+        "currency": "RUB",
+        "gateway_charge_id": f"ch_{order_id}",
+        "decline_code": None,
+        "decline_class": None,
+        "review": False,
         "traceparent": None,
-        "tries": 0,
+        "occurred_at": OCCURRED_AT,
     }
 
 
