@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from charge_worker.errors import PoisonMessage
+from charge_worker.settings import MAX_TRIES
 
 SCHEMA = "charge.due/v1"
 MAX_BODY_BYTES = 64 * 1024
@@ -92,11 +93,15 @@ class ChargeDue(BaseModel):
         Field(strict=False),
         AfterValidator(_storable),
     ]
+    # which try of the period this message asks for (gateway.md, "Retrying a declined
+    # renewal"): 1 unless the period was declined and is tried again
+    attempt: int = Field(1, ge=1, le=MAX_TRIES)
 
     @property
     def key(self) -> str:
-        """The idempotency key: ledger primary key and the gateway's `Idempotency-Key`."""
-        return idempotency_key(self.order_id, self.billing_period)
+        """The try's idempotency key, the gateway's `Idempotency-Key`: the period's
+        `<order_id>:<billing_period>` for try 1, with `:<attempt>` after."""
+        return idempotency_key(self.order_id, self.billing_period, self.attempt)
 
     @property
     def fingerprint(self) -> str:
@@ -106,19 +111,23 @@ class ChargeDue(BaseModel):
 
     @property
     def msg_id(self) -> str:
-        """The `Nats-Msg-Id` the producer publishes this charge with."""
-        return msg_id(self.order_id, self.billing_period)
+        """The `Nats-Msg-Id` the producer publishes this try with."""
+        return msg_id(self.order_id, self.billing_period, self.attempt)
 
     def to_json(self) -> bytes:
-        return self.model_dump_json(by_alias=True).encode()
+        """The message body; try 1's carries no `attempt`, as before retries existed."""
+        exclude = {"attempt"} if self.attempt == 1 else None
+        return self.model_dump_json(by_alias=True, exclude=exclude).encode()
 
 
-def idempotency_key(order_id: int, billing_period: dt.date) -> str:
-    return f"{order_id}:{billing_period.isoformat()}"
+def idempotency_key(order_id: int, billing_period: dt.date, attempt: int = 1) -> str:
+    """Try `attempt`'s key; try 1's is the period's own (the request before retries existed)."""
+    period = f"{order_id}:{billing_period.isoformat()}"
+    return period if attempt == 1 else f"{period}:{attempt}"
 
 
-def msg_id(order_id: int, billing_period: dt.date) -> str:
-    return f"charge:{idempotency_key(order_id, billing_period)}"
+def msg_id(order_id: int, billing_period: dt.date, attempt: int = 1) -> str:
+    return f"charge:{idempotency_key(order_id, billing_period, attempt)}"
 
 
 def parse(body: bytes) -> ChargeDue:

@@ -10,6 +10,7 @@ alone or in combination, into one `SettingsError` line that names the environmen
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ LEASE_RENEWAL_S = 1.0
 GatewayKind = Literal["contract", "stripe"]
 SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
 KEY_PREFIX_MAX = 32
+MAX_TRIES = 1000  # of one period: far beyond any schedule, a bound on what a message may ask
 _KEY_PREFIX = re.compile(rf"[A-Za-z0-9_.:-]{{0,{KEY_PREFIX_MAX}}}")
 # The most requests one charge makes, per adapter: Stripe reads the customer's saved card
 # (its invoice default, else a list of its cards) before the PaymentIntent.
@@ -271,6 +273,68 @@ class WebhookSettings(_EnvGroup):
         return value
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+DAY_S = 86400.0
+CAP_WINDOW_S = 30 * DAY_S  # the window of CHARGE_WORKER_RETRY_CAP_30D
+
+
+class RetrySettings(_EnvGroup):
+    """Retries of a declined renewal (docs/contracts/gateway.md, "Retrying a declined
+    renewal"; docs/decisions/0007-retries.md)."""
+
+    # the wait before each try after the first, from the decline before it: `1d,3d,5d,7d`
+    # (the default) is five tries over 16 days; empty: a decline ends the period
+    retry_schedule: Annotated[tuple[float, ...], NoDecode] = (
+        1 * DAY_S,
+        3 * DAY_S,
+        5 * DAY_S,
+        7 * DAY_S,
+    )
+    # the most tries of one period started in any 30 days, retries on purpose included
+    retry_cap_30d: int = Field(8, ge=1, le=MAX_TRIES)
+
+    @field_validator("retry_schedule", mode="before")
+    @classmethod
+    def _durations(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        steps = []
+        for part in (p.strip() for p in value.split(",")):
+            if not part:
+                continue
+            match = _DURATION.fullmatch(part)
+            if match is None:
+                raise ValueError(f"{part!r} is not a duration like 12h or 3d (units s, m, h, d)")
+            steps.append(float(match[1]) * _UNIT_S[match[2]])
+        return tuple(steps)
+
+    @field_validator("retry_schedule")
+    @classmethod
+    def _sane(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(step <= 0 for step in value):
+            raise ValueError("every wait must be positive")
+        if len(value) + 1 > MAX_TRIES:
+            raise ValueError(f"allows at most {MAX_TRIES - 1} retries")
+        return value
+
+    @_model_validator(mode="after")
+    def _within_cap(self) -> Self:
+        if self.tries_in_30d > self.retry_cap_30d:
+            raise _Rule(
+                "CHARGE_WORKER_RETRY_CAP_30D",
+                f"is {self.retry_cap_30d} but CHARGE_WORKER_RETRY_SCHEDULE starts "
+                f"{self.tries_in_30d} tries of a period within 30 days",
+            )
+        return self
+
+    @property
+    def tries_in_30d(self) -> int:
+        """The most tries the schedule itself starts in one 30-day window (the first one's)."""
+        offsets = itertools.accumulate(self.retry_schedule)
+        return 1 + sum(1 for offset in offsets if offset < CAP_WINDOW_S)
+
+
 class HttpSettings(_EnvGroup):
     """The worker's own HTTP surface: /metrics, /healthz, /readyz."""
 
@@ -298,6 +362,7 @@ class Settings(BaseModel):
     nats: NatsSettings = _group(NatsSettings)
     db: DbSettings = _group(DbSettings)
     worker: WorkerSettings = _group(WorkerSettings)
+    retries: RetrySettings = _group(RetrySettings)
     scoring: ScoringSettings = _group(ScoringSettings)
     gateway: GatewaySettings = _group(GatewaySettings)
     reconcile: ReconcileSettings = _group(ReconcileSettings)

@@ -43,6 +43,7 @@ SHARED = {
     "gateway",
     "scoring",
     "outcomes",
+    "retries",
 }
 FAMILIES = {"worker", "producer", "reconcile", "webhooks", "admin", "explain"}
 TOP = {"cli", "sandbox", "__main__", "__init__"}

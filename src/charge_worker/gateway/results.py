@@ -63,6 +63,7 @@ class GatewayCharge:
     amount_refunded: int = 0
     refunded: bool = False
     decline_code: str | None = None  # of a failed one, when the provider says
+    attempt: int = 1  # the period's try that made it (`metadata.attempt`; absent: 1)
 
     def __post_init__(self) -> None:
         # `refunded` means refunded in full: a provider that says so without
@@ -108,7 +109,16 @@ class GatewayCharge:
             created=int(data["created"]),
             amount_refunded=amount if refunded_in_full else int(data.get("amount_refunded") or 0),
             refunded=refunded_in_full or data.get("refunded") is True,
+            attempt=try_of(metadata),
         )
+
+
+def try_of(metadata: dict[str, Any]) -> int:
+    """The try a charge's metadata names (`"attempt": "2"`); 1 when it names none, or
+    something that is no try number (metadata anyone with the key can write)."""
+    value = metadata.get("attempt")
+    text = str(value) if isinstance(value, str | int) else ""
+    return int(text) if text.isdigit() and 1 <= len(text) <= 4 and int(text) >= 1 else 1
 
 
 @dataclass(frozen=True)
