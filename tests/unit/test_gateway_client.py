@@ -86,9 +86,23 @@ async def test_replay_is_success_and_marked() -> None:
     assert await gw.charge(CHARGE) == ChargeResult("succeeded", "ch_1", replayed=True)
 
 
-async def test_decline_is_a_result_not_an_error() -> None:
-    gw = client(answer(402, err("card_error", "card_declined")))
-    assert await gw.charge(CHARGE) == ChargeResult("declined", None, decline_code="card_declined")
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ({"code": "card_declined", "decline_code": "insufficient_funds"}, "insufficient_funds"),
+        ({"code": "card_declined", "decline_code": "stolen_card"}, "stolen_card"),
+        ({"code": "card_declined"}, None),  # the contract: absent is a generic decline
+        ({"code": "card_declined", "decline_code": ""}, None),
+        ({"code": "authentication_required"}, "authentication_required"),  # the older form
+        ({}, None),
+    ],
+)
+async def test_decline_is_a_result_with_the_contracts_decline_code(
+    error: dict[str, str], code: str | None
+) -> None:
+    body = {"error": {"type": "card_error", "message": "m", "charge": "ch_9", **error}}
+    gw = client(answer(402, body))
+    assert await gw.charge(CHARGE) == ChargeResult("declined", None, decline_code=code)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ Every answer is classified here, and only here:
 | answer                                   | result                                     |
 |------------------------------------------|--------------------------------------------|
 | 200 (replayed or not)                    | `ChargeResult(succeeded, charge_id)`       |
-| 402                                      | `ChargeResult(declined, code)`             |
+| 402                                      | `ChargeResult(declined, decline_code)`:    |
+|                                          | `error.decline_code`, else `error.code`    |
+|                                          | unless `card_declined`, else None (generic)|
 | 409 request_in_progress                  | `RequestInProgress`                        |
 | 429                                      | `RateLimited(retry_after_s=Retry-After)`   |
 | 400 / 422 with the contract's error body | `GatewayRejected`                          |
@@ -23,12 +25,20 @@ Every answer is classified here, and only here:
 Every `Idempotency-Key` sent (`<key>`, `refund:<charge id>`) starts with
 `CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX`, empty unless set: an account shared with other
 integrations. Lookups find charges by their metadata, which carries no prefix.
+
+Try `n` of a period (docs/contracts/gateway.md, "Retrying a declined renewal") is sent under
+its own key (`ChargeDue.key`: `<order_id>:<billing_period>`, `:<n>` after for `n >= 2`) with
+`metadata.attempt = "<n>"` for `n >= 2`; try 1's request is byte for byte the one sent before
+retries existed (no `attempt`), so a worker of either age repeating it is a replay, never a
+`key_reused`. A lookup lists every try's charges of the period, each with its `attempt`
+and, when failed, its `decline_code`.
 Only the gateway's own verdict is final: a bare status from a proxy or a wrong path is not.
 Every other `OutcomeUnknown` and every `DependencyUnavailable` counts toward the breaker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -44,7 +54,12 @@ from charge_worker.errors import (
 )
 from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent, retry_after
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
-from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
+from charge_worker.gateway.results import (
+    CARD_DECLINED,
+    ChargeResult,
+    GatewayCharge,
+    HistoryPage,
+)
 from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
@@ -96,14 +111,17 @@ class ContractGateway(Guarded):
         headers = {"Idempotency-Key": f"{self.key_prefix}{charge.key}"}
         if traceparent:
             headers["traceparent"] = traceparent
+        metadata = {
+            "order_id": str(charge.order_id),
+            "billing_period": charge.billing_period.isoformat(),
+        }
+        if charge.attempt > 1:  # try 1 is the request from before retries, unchanged
+            metadata["attempt"] = str(charge.attempt)
         body = {
             "amount": charge.amount_minor,
             "currency": charge.currency,
             "customer": charge.customer_id,
-            "metadata": {
-                "order_id": str(charge.order_id),
-                "billing_period": charge.billing_period.isoformat(),
-            },
+            "metadata": metadata,
         }
         response = await self._send(
             "POST", "/v1/charges", json=body, headers=headers, before_send=before_send
@@ -114,15 +132,15 @@ class ContractGateway(Guarded):
                 raise OutcomeUnknown(f"gateway answered 200 with an unexpected body: {data!r:.200}")
             return ChargeResult("succeeded", data["id"], replayed=_replayed(response))
         if response.status_code == 402:
-            code = _error(response).get("code") or "card_declined"
-            return ChargeResult("declined", None, decline_code=str(code))
+            return ChargeResult("declined", None, decline_code=_decline_code(_error(response)))
         raise _classify(response)
 
     async def lookup(
         self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
     ) -> list[GatewayCharge]:
-        """Every charge the gateway holds for this key (normally 0 or 1), every page of
-        them, oldest first; the contract finds them by the key alone."""
+        """Every charge the gateway holds for this period (normally 0 or 1 a try), every
+        try's, every page of them, oldest first; the contract finds them by the period
+        alone."""
         params = {"order_id": str(order_id), "billing_period": billing_period.isoformat()}
         found: list[GatewayCharge] = []
         for _ in range(LOOKUP_MAX_PAGES):
@@ -196,7 +214,7 @@ class ContractGateway(Guarded):
             raise _classify(response)
         data = _json(response)
         try:
-            charges = [GatewayCharge.from_json(item) for item in data["data"]]
+            charges = [_charge(item) for item in data["data"]]
         except (KeyError, TypeError, ValueError) as error:
             raise OutcomeUnknown(f"unreadable charge list: {error!r}") from error
         return HistoryPage(charges, bool(data.get("has_more")))
@@ -225,6 +243,25 @@ class ContractGateway(Guarded):
             return response
 
         return await self.guarded(f"{method} {path}", request, before_send=before_send)
+
+
+def _charge(item: dict[str, Any]) -> GatewayCharge:
+    """A charge object of the contract; a failed one with its `decline_code`, if it says."""
+    charge = GatewayCharge.from_json(item)
+    code = item.get("decline_code")
+    if charge.status != "failed" or not isinstance(code, str) or not code:
+        return charge
+    return dataclasses.replace(charge, decline_code=code)
+
+
+def _decline_code(error: dict[str, Any]) -> str | None:
+    """A 402's reason: `decline_code`; else a `code` other than `card_declined` (a gateway
+    that names the reason there, as this project's simulator once did:
+    `authentication_required`); else None, a generic decline."""
+    for code in (error.get("decline_code"), error.get("code")):
+        if isinstance(code, str) and code and code != CARD_DECLINED:
+            return code
+    return None
 
 
 def _replayed(response: httpx.Response) -> bool:

@@ -7,12 +7,13 @@ project's own HTTP client, its retries off: the worker retries, with the same ke
 | `charge`   | `GET /v1/customers/{id}` (its saved card: `invoice_settings.default_`     |
 |            | `payment_method`, else its newest card), then `POST /v1/payment_intents`  |
 |            | with `customer`, `payment_method`, `off_session=true`, `confirm=true`,    |
-|            | `metadata[order_id]`, `metadata[billing_period]` and our                  |
-|            | `Idempotency-Key: <order_id>:<billing_period>`                            |
+|            | `metadata[order_id]`, `metadata[billing_period]` (and                     |
+|            | `metadata[attempt]=<n>` for a try n >= 2) and the try's key               |
+|            | `Idempotency-Key: <order_id>:<billing_period>` (`:<n>` after for n >= 2)  |
 | `lookup`   | `GET /v1/payment_intents?customer=…&created[gte]=<period - 31 days>`,     |
-|            | every page, matched on the metadata: a list is read-your-writes; Stripe's |
-|            | Search API is eventually consistent and its documentation says not to     |
-|            | use it for that                                                           |
+|            | every page, matched on the metadata (every try's intents of the period):  |
+|            | a list is read-your-writes; Stripe's Search API is eventually consistent  |
+|            | and its documentation says not to use it for that                         |
 | `history`  | `GET /v1/payment_intents?created[gte]=…&created[lt]=…`, newest first      |
 |            | (Stripe's order), `latest_charge` expanded for `amount_refunded`          |
 | `refund`   | `POST /v1/refunds` `payment_intent`, `reason=duplicate`,                  |
@@ -112,6 +113,12 @@ class StripeGateway(Guarded):
         card = await self._saved_card(charge.customer_id)
         if card is None:
             return ChargeResult("declined", None, decline_code=NO_PAYMENT_METHOD)
+        metadata = {
+            "order_id": str(charge.order_id),
+            "billing_period": charge.billing_period.isoformat(),
+        }
+        if charge.attempt > 1:  # try 1 is the request from before retries, unchanged
+            metadata["attempt"] = str(charge.attempt)
         params: PaymentIntentCreateParams = {
             "amount": charge.amount_minor,
             "currency": charge.currency.lower(),
@@ -119,10 +126,7 @@ class StripeGateway(Guarded):
             "payment_method": card,
             "off_session": True,
             "confirm": True,
-            "metadata": {
-                "order_id": str(charge.order_id),
-                "billing_period": charge.billing_period.isoformat(),
-            },
+            "metadata": metadata,
         }
         options: stripe.RequestOptions = {"idempotency_key": f"{self.key_prefix}{charge.key}"}
         if traceparent:
@@ -171,8 +175,9 @@ class StripeGateway(Guarded):
     async def lookup(
         self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
     ) -> list[GatewayCharge]:
-        """Every intent for this key, oldest first: the customer's intents created since
-        `LOOKUP_LEAD` before the period, matched on their metadata (read-your-writes)."""
+        """Every intent of this period (every try's), oldest first: the customer's intents
+        created since `LOOKUP_LEAD` before the period, matched on their metadata
+        (read-your-writes)."""
         if not customer_id:
             raise OutcomeUnknown(
                 f"a Stripe lookup of {order_id}:{billing_period} needs the customer id"

@@ -47,6 +47,7 @@ from charge_worker.gateway.results import (
     CARD_DECLINED,
     ChargeResult,
     GatewayCharge,
+    try_of,
 )
 
 IN_PROGRESS_RETRY_S = 2.0
@@ -163,6 +164,8 @@ def charge_result(intent: dict[str, Any], *, replayed: bool) -> ChargeResult:
 
 
 def _decline_code(intent: dict[str, Any]) -> str:
+    """A failed intent's reason: `authentication_required` for `requires_action` (or that
+    code), else its last payment error's `decline_code`, else its `code`."""
     if intent.get("status") == "requires_action":
         return AUTHENTICATION_REQUIRED
     error = intent.get("last_payment_error") or {}
@@ -175,7 +178,8 @@ def _decline_code(intent: dict[str, Any]) -> str:
 
 def gateway_charge(intent: dict[str, Any]) -> GatewayCharge:
     """A PaymentIntent (its `latest_charge` expanded) as the domain's charge: the intent's
-    id, status and amount; the refund from its charge; upper-case currency."""
+    id, status and amount; the refund from its charge; upper-case currency; the try its
+    `metadata[attempt]` names (absent: 1)."""
     latest = intent.get("latest_charge")
     charge = latest if isinstance(latest, dict) else {}
     status = str(intent["status"])
@@ -200,4 +204,5 @@ def gateway_charge(intent: dict[str, Any]) -> GatewayCharge:
         amount_refunded=int(charge.get("amount_refunded") or 0),
         refunded=charge.get("refunded") is True,
         decline_code=_decline_code(intent) if state == "failed" else None,
+        attempt=try_of(metadata),
     )
