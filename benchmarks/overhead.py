@@ -178,6 +178,8 @@ def outbox_row(order_id: int) -> dict[str, object]:
         "review": False,
         "traceparent": None,
         "occurred_at": OCCURRED_AT,
+        "attempt": 1,
+        "retry_at": None,
     }
 
 

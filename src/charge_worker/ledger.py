@@ -34,9 +34,20 @@ from charge_worker.messages import ChargeDue
 from charge_worker.settings import LEASE_MARGIN_S
 
 Scoring = Literal["approved", "blocked", "deferred"]
-# what a delivery may settle a charge as; `processing` is no final state: the provider
-# accepted the charge and settles it later (a bank debit), and nothing is re-sent meanwhile
-FinalStatus = Literal["succeeded", "declined", "failed", "blocked", "processing"]
+# what a delivery may settle a charge's try as; `processing` is no final state: the provider
+# accepted the charge and settles it later (a bank debit), and nothing is re-sent meanwhile;
+# a declined try leaves the period `declined` (final), `retry_scheduled` or `action_required`
+# (retries/schedule.py)
+FinalStatus = Literal[
+    "succeeded",
+    "declined",
+    "failed",
+    "blocked",
+    "processing",
+    "retry_scheduled",
+    "action_required",
+]
+_DECLINED = frozenset({"declined", "retry_scheduled", "action_required"})
 
 # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match: a message with no row yet is inserted only when
 # an active subscription says so: its customer, amount and currency, and the period one of
@@ -66,8 +77,9 @@ _NEW_ROW = """$1::bigint, $2::date, $3::text, $4::text, $5::text, $6::bigint, $7
 
 
 def _claim(new_row: str) -> str:
-    """The claim: insert the row (`new_row` is the INSERT's source), or take over a
-    `scheduled` row, an expired lease, or (`$12`, a replay) a `failed` row."""
+    """The claim: insert the row (`new_row` is the INSERT's source; try 1 only), or take over
+    a `scheduled` row, an expired lease, or (`$12`, a replay) a `failed` row, of the try the
+    message asks for (`$13`)."""
     return f"""
 WITH inserted AS (
     INSERT INTO charge_attempts (
@@ -89,6 +101,7 @@ WITH inserted AS (
       FROM previous AS p
      WHERE c.order_id = $1 AND c.billing_period = $2
        AND c.fingerprint = $6::bigint::text || ' ' || $7 || ' ' || $5
+       AND c.current_try = $13
        AND (c.status = 'scheduled'
             OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now()))
             OR ($12 AND c.status = 'failed'))
@@ -101,11 +114,12 @@ UNION ALL SELECT * FROM taken
 
 # Two statements, not one with a flag: a generic plan checks SELECT on `subscriptions` even
 # where the flag would skip it, and verification off must need no grant on that table.
-_CLAIM = _claim(f"VALUES ({_NEW_ROW})")
-_CLAIM_VERIFIED = _claim(f"SELECT {_NEW_ROW}\n     WHERE EXISTS ({_VERIFIED})")
+# A row is inserted for try 1 only: a later try's row is the period's, started by the producer.
+_CLAIM = _claim(f"SELECT {_NEW_ROW}\n     WHERE $13::int = 1")
+_CLAIM_VERIFIED = _claim(f"SELECT {_NEW_ROW}\n     WHERE $13::int = 1 AND EXISTS ({_VERIFIED})")
 
 _WHY_NOT = """
-SELECT status, fingerprint, extract(epoch FROM lease_until - now()) AS lease_left_s
+SELECT status, fingerprint, current_try, extract(epoch FROM lease_until - now()) AS lease_left_s
   FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
 """
 
@@ -154,7 +168,9 @@ _SETTLE = _fenced_write(
     f"""UPDATE charge_attempts
        SET status = $9, gateway_charge_id = coalesce($10, gateway_charge_id), last_error = $11,
            decline_code = $12, decline_class = $13, lease_owner = NULL, lease_until = NULL,
-           settled_at = CASE WHEN $9 = 'processing' THEN NULL ELSE now() END, {_KEPT}
+           settled_at = CASE WHEN $9 = 'processing' THEN NULL ELSE now() END,
+           retry_at = CASE WHEN $9 = 'retry_scheduled' THEN now() + make_interval(secs => $14)
+                      END, {_KEPT}
      WHERE {_FENCE}"""
 )
 
@@ -192,10 +208,12 @@ class Settlement:
     charge_id: str | None = None
     error: str | None = None
     decline_code: str | None = None  # of a decline, as the provider said
+    retry_in_s: float | None = None  # `retry_scheduled`: the wait before the next try
+    exhausted: bool = False  # `declined` for want of a try left (a soft decline)
 
     @property
     def decline_class(self) -> DeclineClass | None:
-        return decline_class(self.decline_code) if self.status == "declined" else None
+        return decline_class(self.decline_code) if self.status in _DECLINED else None
 
 
 @dataclass(frozen=True)
@@ -272,9 +290,12 @@ class Ledger:
         fixed. A row that called the gateway before comes back with `outcome_unknown`: the
         worker looks the key up before any new call, and records a charge it finds.
 
-        Raises `AlreadySettled` (final already), `PayloadConflict` (same key, other
-        amount/currency/customer), `LeaseHeld` (a live worker owns it), `Unverified`
-        (`verify_subscription`: no row yet, and no subscription says the charge is due).
+        Only the period's current try is claimed (`charge.attempt`, the row's `current_try`).
+
+        Raises `AlreadySettled` (final already, or the message's try is over), `PayloadConflict`
+        (same key, other amount/currency/customer), `LeaseHeld` (a live worker owns it),
+        `Unverified` (`verify_subscription`: no row yet, and no subscription says the charge
+        is due; or a try no row started).
         """
         key = (charge.order_id, charge.billing_period)
         deadline = self.clock() + self.lease_s
@@ -292,6 +313,7 @@ class Ledger:
                 self.lease_s,
                 stream_seq,
                 revive_failed,
+                charge.attempt,
             )
             if row is not None:
                 return Claim(
@@ -305,6 +327,8 @@ class Ledger:
                 )
             why = await conn.fetchrow(_WHY_NOT, *key)
         if why is None:
+            if charge.attempt > 1:
+                raise Unverified(f"{charge.key}: try {charge.attempt} of a period with no row")
             if self.verify_subscription:
                 raise Unverified(
                     f"{charge.key}: no active subscription {charge.subscription_id} of order "
@@ -318,8 +342,16 @@ class Ledger:
             raise PayloadConflict(
                 f"{charge.key} is recorded as '{why['fingerprint']}', message says '{fingerprint}'"
             )
-        if why["status"] not in ("pending", "scheduled"):
-            raise AlreadySettled(f"{charge.key} is {why['status']} already")
+        current, status = why["current_try"], why["status"]
+        if charge.attempt < current:
+            raise AlreadySettled(f"{charge.key}: the period is at try {current} ({status})")
+        if charge.attempt > current:
+            raise Unverified(
+                f"{charge.key}: try {charge.attempt} was never started; the period is at try "
+                f"{current} ({status})"
+            )
+        if status not in ("pending", "scheduled"):
+            raise AlreadySettled(f"{charge.key} is {status} already")
         left = float(why["lease_left_s"] or 0.0)
         raise LeaseHeld(f"{charge.key} is leased by another worker", retry_after_s=max(left, 0.0))
 
@@ -358,6 +390,7 @@ class Ledger:
             settlement.error,
             settlement.decline_code,
             settlement.decline_class,
+            settlement.retry_in_s,
         )
 
     async def retry_later(

@@ -35,7 +35,7 @@ async def events(pool: asyncpg.Pool, order_id: int = ORDER) -> list[dict[str, An
     rows = await pool.fetch(
         "SELECT order_id, billing_period, sequence, type, subscription_id, customer_id,"
         " amount_minor, currency, gateway_charge_id, decline_code, decline_class, review,"
-        " traceparent, occurred_at, sent_at FROM charge_outcomes"
+        " traceparent, occurred_at, attempt, retry_at, sent_at FROM charge_outcomes"
         " WHERE order_id = $1 AND billing_period = $2 ORDER BY sequence",
         order_id,
         PERIOD,
@@ -105,6 +105,41 @@ async def test_a_decline_carries_its_code_and_class(
     await settled(ledger, Settlement("declined", decline_code=code))
     [event] = await events(pool)
     assert (event["decline_code"], event["decline_class"]) == (code, decline_class)
+
+
+async def test_a_soft_decline_with_tries_left_announces_the_next_try(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
+    await settled(
+        ledger,
+        Settlement("retry_scheduled", decline_code="insufficient_funds", retry_in_s=86400.0),
+    )
+    [event] = await events(pool)
+    retry_at = await pool.fetchval("SELECT retry_at FROM charge_attempts")
+    assert event["type"] == "charge.retry_scheduled"
+    assert (event["decline_code"], event["decline_class"], event["attempt"]) == (
+        "insufficient_funds",
+        "soft",
+        1,
+    )
+    assert event["retry_at"] == retry_at.astimezone(dt.UTC).isoformat(
+        timespec="milliseconds"
+    ).replace("+00:00", "Z")
+    assert dt.datetime.fromisoformat(event["retry_at"]) - dt.datetime.fromisoformat(
+        event["occurred_at"]
+    ) == dt.timedelta(days=1)
+
+
+async def test_a_customer_action_decline_asks_for_the_customer(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
+    await settled(ledger, Settlement("action_required", decline_code="expired_card"))
+    [event] = await events(pool)
+    assert (event["type"], event["decline_class"], "retry_at" in event) == (
+        "charge.action_required",
+        "customer_action",
+        False,
+    )
 
 
 async def test_a_decline_a_webhook_recorded_without_a_code_is_a_generic_one(

@@ -104,6 +104,8 @@ class Row:
     settled: bool = False
     last_stream_seq: int | None = None
     published_seq: int = 0
+    current_try: int = 1
+    retry_in_s: float | None = None  # `retry_scheduled`: the wait the settle set
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ class InMemoryLedger:
         deadline = now + self.lease_s
         row = self.rows.get(key)
         if row is None:
+            if charge.attempt > 1:
+                raise Unverified(f"{charge.key}: try {charge.attempt} of a period with no row")
             if self.verified is not None and not self.verified(charge):
                 raise Unverified(f"{charge.key}: no active subscription says so")
             row = Row(*key, charge.fingerprint, "pending", owner, deadline, attempt=1)
@@ -172,7 +176,8 @@ class InMemoryLedger:
             self.rows[key] = row
             return Claim(*key, owner, 1, 0, None, None, deadline)
         expired = row.lease_until is None or row.lease_until < now
-        if row.fingerprint == charge.fingerprint and (
+        this_try = row.fingerprint == charge.fingerprint and row.current_try == charge.attempt
+        if this_try and (
             row.status == "scheduled"
             or (row.status == "pending" and expired)
             or (revive_failed and row.status == "failed")
@@ -188,6 +193,10 @@ class InMemoryLedger:
                 f"{charge.key} is recorded as '{row.fingerprint}', "
                 f"message says '{charge.fingerprint}'"
             )
+        if charge.attempt < row.current_try:
+            raise AlreadySettled(f"{charge.key}: the period is at try {row.current_try}")
+        if charge.attempt > row.current_try:
+            raise Unverified(f"{charge.key}: try {charge.attempt} was never started")
         if row.status not in ("pending", "scheduled"):
             raise AlreadySettled(f"{charge.key} is {row.status} already")
         left = (row.lease_until or now) - now
@@ -224,6 +233,7 @@ class InMemoryLedger:
         row.status = settlement.status
         row.gateway_charge_id = settlement.charge_id or row.gateway_charge_id
         row.last_error, row.decline_code = settlement.error, settlement.decline_code
+        row.retry_in_s = settlement.retry_in_s
         row.lease_owner = row.lease_until = None
         row.settled = settlement.status != "processing"
 
@@ -360,8 +370,10 @@ class FakeGateway:
     `httpx.MockTransport`.
 
     A customer id starting with `cus_decline` is declined (`402 card_declined`, recorded
-    as a `failed` charge), as the simulator does. `script("POST /v1/charges", ...)` queues
-    what the next requests of that route meet instead of a plain answer (`Script`)."""
+    as a `failed` charge), as the simulator does; `decline(customer, code, until_try=k)`
+    declines a customer's tries before `k` with a `decline_code` (every try by default).
+    `script("POST /v1/charges", ...)` queues what the next requests of that route meet
+    instead of a plain answer (`Script`)."""
 
     def __init__(self, *, idempotent: bool = True) -> None:
         self.idempotent = idempotent
@@ -370,6 +382,10 @@ class FakeGateway:
         self.scripts: dict[str, deque[Script]] = {}
         self.requests: list[str] = []  # "POST /v1/charges" for each request that arrived
         self.ids = itertools.count(1)
+        self.declines: dict[str, tuple[str, int | None]] = {}  # customer: code, until try
+
+    def decline(self, customer: str, code: str, *, until_try: int | None = None) -> None:
+        self.declines[customer] = (code, until_try)
 
     def adapter(self, **settings: Any) -> ContractGateway:
         """The `contract` adapter over this fake; `settings` are `GatewaySettings` fields."""
@@ -389,8 +405,12 @@ class FakeGateway:
         )
 
     def charges_of(self, charge: ChargeDue) -> list[dict[str, Any]]:
-        wanted = {"order_id": str(charge.order_id), "billing_period": str(charge.billing_period)}
-        return [c for c in self.charges if c["metadata"] == wanted]
+        """Every charge of the charge's period, whichever try made it."""
+        return [
+            c
+            for c in self.charges
+            if _of_period(c, str(charge.order_id), charge.billing_period.isoformat())
+        ]
 
     def sent(self, route: str = "POST /v1/charges") -> int:
         return self.requests.count(route)
@@ -434,13 +454,16 @@ class FakeGateway:
             if first != seen:
                 return _error(400, "idempotency_error", "key_reused")
             return httpx.Response(status, json=body, headers={"Idempotent-Replayed": "true"})
-        declined = str(params.get("customer", "")).startswith("cus_decline")
+        customer = str(params.get("customer", ""))
+        code, until_try = self.declines.get(customer, (None, None))
+        try_no = int(params["metadata"].get("attempt", 1))
+        declined = customer.startswith("cus_decline") or (
+            code is not None and (until_try is None or try_no < until_try)
+        )
         made = self._record(params, "failed" if declined else "succeeded")
         if declined:
-            status, body = (
-                402,
-                {"error": _body("card_error", "card_declined") | {"charge": made["id"]}},
-            )
+            error = _body("card_error", "card_declined") | {"charge": made["id"]}
+            status, body = 402, {"error": error | ({"decline_code": code} if code else {})}
         else:
             status, body = 200, made
         if self.idempotent:
@@ -450,8 +473,9 @@ class FakeGateway:
     def _list(self, request: httpx.Request) -> httpx.Response:
         query = request.url.params
         if "order_id" in query:
-            wanted = {"order_id": query["order_id"], "billing_period": query["billing_period"]}
-            found = [c for c in self.charges if c["metadata"] == wanted]
+            found = [
+                c for c in self.charges if _of_period(c, query["order_id"], query["billing_period"])
+            ]
         else:
             since, until = int(query.get("created_gte", 0)), int(query.get("created_lt", 2**62))
             found = [c for c in self.charges if since <= c["created"] < until]
@@ -474,6 +498,11 @@ class FakeGateway:
         return made
 
 
+def _of_period(made: Mapping[str, Any], order_id: str, billing_period: str) -> bool:
+    metadata = made["metadata"]
+    return (metadata.get("order_id"), metadata.get("billing_period")) == (order_id, billing_period)
+
+
 def charge_params(charge: ChargeDue) -> dict[str, Any]:
     """The body the `contract` adapter sends for a charge."""
     return {
@@ -483,7 +512,8 @@ def charge_params(charge: ChargeDue) -> dict[str, Any]:
         "metadata": {
             "order_id": str(charge.order_id),
             "billing_period": charge.billing_period.isoformat(),
-        },
+        }
+        | ({"attempt": str(charge.attempt)} if charge.attempt > 1 else {}),
     }
 
 
@@ -665,6 +695,7 @@ class World:
         failpoints: str = "",
         gateway: Mapping[str, Any] | None = None,
         scoring: Mapping[str, Any] | None = None,
+        retry_schedule: tuple[float, ...] = (),
     ) -> Pipeline:
         """The real pipeline over these ports; `gateway` and `scoring` are settings fields."""
         adapter = self.gateway.adapter(**(gateway or {}))
@@ -677,6 +708,7 @@ class World:
             owner=owner,
             metrics=self.metrics,
             failpoints=Failpoints(failpoints),
+            retry_schedule=retry_schedule,
         )
 
     def metric(self, name: str, **labels: str) -> float:

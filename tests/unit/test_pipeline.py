@@ -89,12 +89,17 @@ async def test_a_charge_is_claimed_scored_charged_and_recorded_with_its_story(
     assert world.metric("charge_worker_gateway_calls_total", result="succeeded") == 1
 
 
-async def test_a_decline_is_final_and_keeps_its_code(world: World) -> None:
-    charge = due(customer="cus_decline_1")
+async def test_a_decline_without_retries_is_final_and_keeps_its_code(world: World) -> None:
+    charge = due(customer="cus_card")
+    world.gateway.decline("cus_card", "insufficient_funds")
     processed, action = await through(world.pipeline(), charge)
     assert (processed.result.outcome, action) == (Outcome.DECLINED, Ack())
     row = world.ledger.row(charge)
-    assert (row.status, row.decline_code, row.gateway_calls) == ("declined", "card_declined", 1)
+    assert (row.status, row.decline_code, row.gateway_calls) == (
+        "declined",
+        "insufficient_funds",
+        1,
+    )
     assert world.metric("charge_worker_declines_total", kind="card_declined") == 1
 
 

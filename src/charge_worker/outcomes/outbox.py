@@ -39,7 +39,7 @@ from charge_worker.declines import GENERIC_DECLINE, decline_class
 _TAKE = """
 SELECT o.order_id, o.billing_period, o.sequence, o.type, o.subscription_id, o.customer_id,
        o.amount_minor, o.currency, o.gateway_charge_id, o.decline_code, o.decline_class,
-       o.review, o.traceparent, o.occurred_at
+       o.review, o.traceparent, o.occurred_at, o.attempt, o.retry_at
   FROM charge_outcomes AS o
  WHERE o.sent_at IS NULL AND o.next_try_at <= now()
    AND NOT EXISTS (SELECT FROM charge_outcomes AS e
@@ -121,6 +121,8 @@ class Event:
     review: bool
     traceparent: str | None
     occurred_at: dt.datetime
+    attempt: int = 1  # the period's try the change was made in
+    retry_at: dt.datetime | None = None  # `charge.retry_scheduled`: when the next try is due
 
     @property
     def event_id(self) -> str:
@@ -146,14 +148,14 @@ class Event:
             "customer_id": self.customer_id,
             "amount_minor": self.amount_minor,
             "currency": self.currency,
-            "attempt": 1,
+            "attempt": self.attempt,
             "gateway_charge_id": self.gateway_charge_id if self.type in _HOLDS_MONEY else None,
             "decline_code": code,
             "decline_class": (self.decline_class or decline_class(code)) if declined else None,
-            "occurred_at": self.occurred_at.astimezone(dt.UTC)
-            .isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z"),
+            "occurred_at": _rfc3339(self.occurred_at),
         }
+        if self.type == "charge.retry_scheduled" and self.retry_at is not None:
+            document["retry_at"] = _rfc3339(self.retry_at)
         if self.review:
             document["review"] = True
         return json.dumps(document, separators=(",", ":")).encode()
@@ -223,6 +225,10 @@ class Outbox:
         async with translated("outbox"):
             status = await self.pool.execute(_PRUNE, retention_s, limit)
         return int(status.split()[-1])
+
+
+def _rfc3339(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _keys(events: list[Event]) -> tuple[list[int], list[dt.date], list[int]]:

@@ -28,7 +28,8 @@ from opentelemetry.trace import Span, StatusCode
 from charge_worker import tracing
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayClient
-from charge_worker.messages import valid_traceparent
+from charge_worker.ledger import Settlement
+from charge_worker.messages import ChargeDue, valid_traceparent
 from charge_worker.settings import Settings
 from charge_worker.worker.decisions import (
     Ack,
@@ -271,6 +272,16 @@ class Consumer:
             # the connection is down: JetStream redelivers after AckWait; the ledger decides
             log.warning("consumer.settle_failed", error=repr(error))
 
+    def _count_try(self, charge: ChargeDue, settled: Settlement) -> None:
+        """A try ended with its state written: by what it came to, and what retries won."""
+        retry = charge.attempt > 1
+        kind = settled.decline_class or "none"
+        self.metrics.tries.labels(settled.status, kind, "retry" if retry else "first").inc()
+        if retry and settled.status == "succeeded":
+            self.metrics.recovered.labels(charge.currency).inc(charge.amount_minor)
+        if settled.exhausted:
+            self.metrics.periods_exhausted.inc()
+
     def _account(self, processed: Processed, action: Action, seconds: float) -> None:
         delivery = processed.delivery
         outcome, described = processed.result.outcome, describe(action)
@@ -281,6 +292,8 @@ class Consumer:
         if outcome in (Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED):
             self.metrics.charges.labels(outcome.value).inc()
         charge = processed.charge
+        if (settled := processed.settlement) is not None and charge is not None:
+            self._count_try(charge, settled)
         log.info(
             "charge.settled",
             stream_seq=delivery.stream_seq,

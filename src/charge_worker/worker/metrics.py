@@ -89,6 +89,30 @@ class Metrics:
                 registry=registry,
             )
         )
+        self.tries = Labelled(
+            Counter(
+                f"{PREFIX}_tries",
+                "Tries of a period that ended, by the state the period took (succeeded,"
+                " processing, retry_scheduled, action_required, declined, blocked, failed), the"
+                " decline's class (soft, customer_action, hard; none for no decline) and whether"
+                " it was the period's first try or a retry.",
+                ["outcome", "decline_class", "retry"],
+                registry=registry,
+            )
+        )
+        self.recovered = Labelled(
+            Counter(
+                f"{PREFIX}_retry_recovered_minor",
+                "Minor units charged by retries (tries 2 and later), by currency.",
+                ["currency"],
+                registry=registry,
+            )
+        )
+        self.periods_exhausted = Counter(
+            f"{PREFIX}_periods_exhausted",
+            "Periods final `declined` because the retry schedule had no try left.",
+            registry=registry,
+        )
         self.scoring = Labelled(
             Counter(
                 f"{PREFIX}_scoring",

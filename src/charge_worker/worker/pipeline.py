@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,6 +50,7 @@ from charge_worker.gateway import (
 )
 from charge_worker.ledger import Attempted, Claim, Scoring, Settlement
 from charge_worker.messages import ChargeDue, parse
+from charge_worker.retries.schedule import after_decline
 from charge_worker.scoring import ScoringClient, ScoringFailure, Verdict
 from charge_worker.settings import LEASE_RENEWAL_S
 from charge_worker.worker.decisions import (
@@ -238,8 +239,12 @@ class Pipeline:
         owner: str,
         metrics: Metrics,
         failpoints: Failpoints,
+        retry_schedule: Sequence[float] = (),
     ) -> None:
+        """`retry_schedule`: the waits before tries 2, 3, ... of a period whose try was
+        declined soft (`CHARGE_WORKER_RETRY_SCHEDULE`); empty: a decline ends the period."""
         self.metrics = metrics
+        self.retry_schedule = tuple(retry_schedule)
         self.ledger = ledger
         self.gateway = gateway
         self.scoring = scoring
@@ -355,15 +360,13 @@ class Pipeline:
             done.found = processing[0]
             done.settlement = Settlement("processing", charge_id=processing[0].id)
             return Result(Outcome.PROCESSING)
-        if failed := [c for c in found if c.status == "failed"]:
+        # an earlier try's decline is that try's: only this try's failed charge is its answer
+        if failed := [c for c in found if c.status == "failed" and c.attempt == charge.attempt]:
             done.found = failed[-1]
             code = failed[-1].decline_code
-            kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
-            self.metrics.declines.labels(kind).inc()
-            done.settlement = Settlement(
-                "declined", error=f"{code or 'declined'} (found by lookup)", decline_code=code
+            return self._declined(
+                done, charge, code, error=f"{code or 'declined'} (found by lookup)"
             )
-            return Result(Outcome.DECLINED)
         return None
 
     async def _score(self, done: _Draft, charge: ChargeDue) -> Verdict | ScoringFailure:
@@ -420,9 +423,21 @@ class Pipeline:
             done.settlement = Settlement("processing", charge_id=answer.charge_id)
             return Result(Outcome.PROCESSING)
         done.notes["decline"] = answer.decline_code
-        self.metrics.declines.labels(answer.decline_kind or CARD_DECLINED).inc()
-        done.settlement = Settlement(
-            "declined", error=answer.decline_code, decline_code=answer.decline_code
+        return self._declined(done, charge, answer.decline_code, error=answer.decline_code)
+
+    def _declined(
+        self, done: _Draft, charge: ChargeDue, code: str | None, *, error: str | None
+    ) -> Result:
+        """The try was declined with `code`: the period's state follows its class and the
+        try's number (retries/schedule.py)."""
+        kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
+        self.metrics.declines.labels(kind).inc()
+        settlement = Settlement("declined", error=error, decline_code=code)
+        assert settlement.decline_class is not None
+        after = after_decline(settlement.decline_class, charge.attempt, self.retry_schedule)
+        done.notes["after_decline"] = after.status
+        done.settlement = dataclasses.replace(
+            settlement, status=after.status, retry_in_s=after.retry_in_s, exhausted=after.exhausted
         )
         return Result(Outcome.DECLINED)
 

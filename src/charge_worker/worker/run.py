@@ -81,7 +81,13 @@ async def run_worker(
     )
     dead_letters = DeadLetters(js, settings.nats)
     pipeline = Pipeline(
-        ledger, gateway, scoring, owner=owner, metrics=metrics, failpoints=failpoints
+        ledger,
+        gateway,
+        scoring,
+        owner=owner,
+        metrics=metrics,
+        failpoints=failpoints,
+        retry_schedule=settings.retries.retry_schedule,
     )
     consumer = Consumer(
         settings,
