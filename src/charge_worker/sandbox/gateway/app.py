@@ -6,10 +6,14 @@
 Rules:
 
 * auth: every `/v1` request needs `Authorization: Bearer <api_key>`, else `401`;
-* decline rule: a customer id starting with `cus_decline` is declined: `402 card_declined`;
-  one starting with `cus_auth`: `402 authentication_required` (the bank wants the customer
-  present). The attempt is recorded as a charge with status `failed` (lookups find it) and
-  its answer is kept for replay like any other;
+* declines (`cards.py`): the customer id, and the try the charge's `metadata.attempt` names
+  (absent: 1), pick a decline code: `cus_decline…` `generic_decline`, `cus_auth…`
+  `authentication_required`, `cus_code_<code>…` that code, `cus_soft<k>…`
+  `insufficient_funds` before try `k` and charged from it (also the `succeeds_on_try`
+  knob), `cus_soft…` `insufficient_funds` on every try. A decline answers `402 {"error":
+  {"type": "card_error", "code": "card_declined", "decline_code": <code>, "message",
+  "charge": <id>}}`; the declined charge is recorded with status `failed` and its
+  `decline_code` (lookups find it), and its answer is kept for replay like any other;
 * validation: a body that is not a JSON object, a missing or unknown parameter, or a bad
   query is `400`; a present parameter with a wrong type or value is `422`
   (amount: positive int, not bool or float; currency: three upper-case letters; customer:
@@ -39,6 +43,8 @@ Knobs (`GatewayConfig`, in `config.py`; also `POST /_sim/config` at runtime):
   client hangs up) before answering, `"5xx"` answers `502`: an unknown outcome;
 * `idempotency_enabled` (true): false charges every request anew;
 * `key_retention_s` (86400);
+* `succeeds_on_try` (`{customer: k}`): that customer's card is declined `insufficient_funds`
+  on tries < k and charged from try k on;
 * webhooks (`webhooks.py`): `webhook_url` (`None`: none are sent), `webhook_secret`
   (`whsec_…`), `webhook_retry_schedule_s` (the contract's), `webhook_time_scale` (1),
   `webhook_timeout_s` (5), `webhook_reorder` and `webhook_duplicate` (probabilities, 0),
@@ -47,7 +53,8 @@ Knobs (`GatewayConfig`, in `config.py`; also `POST /_sim/config` at runtime):
 Endpoints: `POST /v1/charges`, `GET /v1/charges` (`order_id` + `billing_period`: every
 match; and/or paging by `created_gte`, `created_lt`, `limit` 1..100 default 10,
 `starting_after`; oldest first, `has_more`), `POST /v1/refunds` (`charge`, `reason`); and,
-without auth, `GET /_sim/charges` (every charge with its `idempotency_key`), `GET /_sim/stats`
+without auth, `GET /_sim/charges` (every charge with its `idempotency_key` and `metadata`,
+`attempt` included: charges per period across every try's key), `GET /_sim/stats`
 (requests by endpoint, status and second, injected errors, 429s of the rate limit, lost
 answers), `POST /_sim/disputes`
 (`{"charge": id}`: the cardholder disputes a succeeded charge not refunded),
@@ -76,6 +83,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from charge_worker.sandbox.gateway import cards
+from charge_worker.sandbox.gateway.cards import AUTH_PREFIX, DECLINE_PREFIX
 from charge_worker.sandbox.gateway.config import GatewayConfig
 from charge_worker.sandbox.gateway.requests import (
     ChargeParams,
@@ -113,23 +122,6 @@ __all__ = [  # GatewayConfig lives in config.py; callers import it from here
     "NoEvents",
     "build_gateway_app",
 ]
-
-DECLINE_PREFIX = "cus_decline"
-AUTH_PREFIX = "cus_auth"  # declined: the bank wants the customer to authenticate
-DECLINE_MESSAGES = {
-    "card_declined": "Your card was declined.",
-    "authentication_required": "Your card was declined. This transaction requires authentication.",
-}
-
-
-def decline_code(customer: str) -> str | None:
-    """The decline a customer id asks for (`cus_decline…`, `cus_auth…`), or None."""
-    if customer.startswith(DECLINE_PREFIX):
-        return "card_declined"
-    if customer.startswith(AUTH_PREFIX):
-        return "authentication_required"
-    return None
-
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -306,7 +298,8 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         return JSONResponse({"object": "list", "data": data, "has_more": has_more})
 
     async def all_charges(self, request: Request) -> Response:
-        """`GET /_sim/charges`: every charge ever made, with the key that made it."""
+        """`GET /_sim/charges`: every charge ever made, with the key that made it (and its
+        metadata, as every charge object shows it: the try's `attempt` among it)."""
         data = [c.to_json() | {"idempotency_key": c.idempotency_key} for c in self.book.charges]
         return JSONResponse({"data": data})
 
@@ -499,8 +492,13 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             pass
         return new_id
 
+    def decline_code(self, customer: str, metadata: dict[str, str]) -> str | None:
+        """The decline code of this customer's charge on the try `metadata` names, or None
+        (`cards.py`)."""
+        return cards.decline_code(customer, metadata, succeeds_on_try=self.config.succeeds_on_try)
+
     def _charge(self, book: ChargeBook, params: ChargeParams, key: str) -> StoredResponse:
-        code = decline_code(params.customer)
+        code = self.decline_code(params.customer, params.metadata)
         declined = code is not None
         charge = book.add(
             Charge(
@@ -512,13 +510,14 @@ class GatewaySimulator(Simulator[GatewayConfig]):
                 created=int(time.time()),
                 status="failed" if declined else "succeeded",
                 idempotency_key=key,
+                decline_code=code,
             )
         )
         self.events.publish(f"charge.{charge.status}", charge.to_json())
-        if not declined:
+        if code is None:
             return StoredResponse(200, charge.to_json())
-        error = error_body("card_error", str(code), DECLINE_MESSAGES[str(code)], None)
-        return StoredResponse(402, {"error": error | {"charge": charge.id}})
+        error = error_body("card_error", "card_declined", cards.message(code), None)
+        return StoredResponse(402, {"error": error | {"decline_code": code, "charge": charge.id}})
 
     def _refund(self, book: ChargeBook, charge_id: str) -> StoredResponse:
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -50,6 +50,9 @@ class GatewayConfig(BaseModel):
     # only listed), so a charge is three requests: the customer, its cards, the intent
     invoice_default: bool = True
     key_retention_s: float = Field(86400.0, gt=0)
+    # a customer -> the first try its card is charged on; declined `insufficient_funds`
+    # before it (`cards.py`: as a `cus_soft<k>…` customer)
+    succeeds_on_try: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
     seed: int | None = None
     webhook_url: str | None = None
     webhook_secret: str = SANDBOX_WEBHOOK_SECRET

@@ -17,7 +17,7 @@ ChargeStatus = Literal["succeeded", "failed", "processing"]  # processing: Strip
 
 @dataclass
 class Charge:
-    """One charge the gateway made (or declined: status `failed`).
+    """One charge the gateway made (or declined: status `failed`, with its `decline_code`).
 
     As Stripe's, a refunded charge keeps `status: "succeeded"`: the refund shows in
     `amount_refunded` and `refunded` (docs/contracts/gateway.md, "Refunds").
@@ -34,6 +34,7 @@ class Charge:
     seq: int = 0
     revision: int = 1
     amount_refunded: int = 0
+    decline_code: str | None = None  # of a failed one: the bank's reason
 
     @property
     def refunded(self) -> bool:
@@ -41,8 +42,9 @@ class Charge:
         return self.amount_refunded >= self.amount
 
     def to_json(self) -> dict[str, Any]:
-        """The charge object as the API shows it."""
-        return {
+        """The charge object as the API shows it; a failed one with its `decline_code`,
+        named as in the contract's 402."""
+        shown: dict[str, Any] = {
             "id": self.id,
             "object": "charge",
             "status": self.status,
@@ -55,6 +57,9 @@ class Charge:
             "amount_refunded": self.amount_refunded,
             "refunded": self.refunded,
         }
+        if self.decline_code is not None:
+            shown["decline_code"] = self.decline_code
+        return shown
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ delivery as the contract flavour (`app.py`), in Stripe's wire format (`stripe_wi
   `GET /v1/payment_methods?customer=…&type=card` lists it; with `invoice_default` false no
   customer has a default, the card is only listed (a charge is then three requests);
 * `POST /v1/payment_intents` (form-encoded; `confirm=true`, `off_session=true`, the
-  customer's card): `cus_decline…` is declined (`402 card_error card_declined`, the intent
-  left `requires_payment_method` and stored), `cus_auth…` too with `authentication_required`,
+  customer's card): declined as `cards.py` says by the customer and the try
+  `metadata[attempt]` names (`402 card_error`, the intent left `requires_payment_method`
+  with its `last_payment_error`, and stored; `decline_code` the bank's reason, `code`
+  `card_declined` or the reason Stripe names by its own code: `stripe_wire.error_code`),
   `cus_processing…` answers `processing` and succeeds `processing_settle_s` later (a bank
   debit), any other `succeeded`;
 * idempotency (`Idempotency-Key`, optional as on Stripe): a replay answers the original
@@ -27,8 +29,8 @@ delivery as the contract flavour (`app.py`), in Stripe's wire format (`stripe_wi
   `charge.dispute.created`, signed `Stripe-Signature` (`webhooks.py`).
 
 `GET /_sim/charges` shows each PaymentIntent as the contract flavour shows a charge (`status`
-succeeded, failed or processing; `idempotency_key`), so the chaos checker counts money on
-either flavour the same way.
+succeeded, failed or processing; `idempotency_key`; `metadata`, `attempt` included), so the
+chaos checker counts money on either flavour the same way.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from charge_worker.sandbox.gateway.app import GatewaySimulator, decline_code
+from charge_worker.sandbox.gateway.app import GatewaySimulator
 from charge_worker.sandbox.gateway.state import ChargeBook, RefundRefused, StoredResponse
 from charge_worker.sandbox.gateway.stripe_wire import (
     Intent,
@@ -210,7 +212,7 @@ class StripeSimulator(GatewaySimulator):
         )
 
     def _charge_intent(self, book: ChargeBook, params: IntentParams, key: str) -> StoredResponse:
-        code = decline_code(params.customer)
+        code = self.decline_code(params.customer, params.metadata)
         processing = params.customer.startswith(PROCESSING_PREFIX)
         intent = Intent(
             id=self._new_id("pi", book),

@@ -21,6 +21,8 @@ from urllib.parse import parse_qsl
 
 from starlette.responses import JSONResponse
 
+from charge_worker.declines import GENERIC_DECLINE
+from charge_worker.sandbox.gateway import cards
 from charge_worker.sandbox.gateway.state import Charge
 
 CURRENCY = re.compile(r"[a-z]{3}")
@@ -266,13 +268,25 @@ INTENT_STATUS = {
 CHARGE_STATUS = {"succeeded": "succeeded", "failed": "failed", "processing": "pending"}
 
 
+# the decline codes Stripe also names as the error's `code`; any other is `card_declined`
+OWN_CODES = frozenset(
+    {"authentication_required", "expired_card", "incorrect_cvc", "processing_error"}
+)
+
+
 @dataclass
 class Intent(Charge):
-    """A PaymentIntent: the record a `Charge` keeps, its charge, card and decline."""
+    """A PaymentIntent: the record a `Charge` keeps (a decline's reason in `decline_code`),
+    its charge and card."""
 
     charge_id: str = ""
     payment_method: str = ""
-    decline_code: str | None = None
+
+
+def error_code(decline_code: str) -> str:
+    """The `code` of Stripe's decline error (and its charge's `failure_code`) for a bank's
+    `decline_code`: `card_declined`, unless Stripe names the reason by a code of its own."""
+    return decline_code if decline_code in OWN_CODES else "card_declined"
 
 
 def charge_json(intent: Intent) -> dict[str, Any]:
@@ -292,7 +306,7 @@ def charge_json(intent: Intent) -> dict[str, Any]:
         "payment_method": intent.payment_method,
         "status": CHARGE_STATUS[intent.status],
         "paid": intent.status == "succeeded",
-        "failure_code": intent.decline_code,
+        "failure_code": error_code(intent.decline_code) if intent.decline_code else None,
         "metadata": dict(intent.metadata),
         "created": intent.created,
         "livemode": False,
@@ -304,12 +318,13 @@ def intent_json(intent: Intent, *, expand: tuple[str, ...] = ()) -> dict[str, An
     embeds its charge."""
     last_error = None
     if intent.status == "failed":
+        code = intent.decline_code or GENERIC_DECLINE
         last_error = {
             "type": "card_error",
-            "code": intent.decline_code,
-            "decline_code": intent.decline_code,
+            "code": error_code(code),
+            "decline_code": code,
             "charge": intent.charge_id,
-            "message": DECLINE_MESSAGES.get(intent.decline_code or "", "declined"),
+            "message": cards.message(code),
         }
     embedded = "latest_charge" in expand or "data.latest_charge" in expand
     return {
@@ -342,22 +357,14 @@ def sim_json(intent: Intent) -> dict[str, Any]:
     }
 
 
-DECLINE_MESSAGES = {
-    "card_declined": "Your card was declined.",
-    "authentication_required": (
-        "Your card was declined. This transaction requires authentication."
-    ),
-}
-
-
 def decline(intent: Intent) -> StripeError:
     """The 402 of a declined off-session PaymentIntent, the intent inside."""
-    code = intent.decline_code or "card_declined"
+    code = intent.decline_code or GENERIC_DECLINE
     body = {
         "type": "card_error",
-        "code": code,
-        "decline_code": "generic_decline" if code == "card_declined" else code,
-        "message": DECLINE_MESSAGES.get(code, "Your card was declined."),
+        "code": error_code(code),
+        "decline_code": code,
+        "message": cards.message(code),
         "charge": intent.charge_id,
         "payment_intent": intent_json(intent),
     }
