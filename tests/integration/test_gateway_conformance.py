@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from charge_worker import errors
+from charge_worker.declines import GENERIC_DECLINE, decline_class
 from charge_worker.gateway import AUTHENTICATION_REQUIRED, CARD_DECLINED, Gateway
 from charge_worker.messages import ChargeDue
 from charge_worker.sandbox.latency import LatencyModel
@@ -27,7 +28,9 @@ from tests.support.providers import FLAVOURS, CountingLimiter, Provider, provide
 PERIOD = dt.date(2026, 12, 1)
 
 
-def due(order_id: int, customer: str = "cus_ok", amount: int = 99000) -> ChargeDue:
+def due(
+    order_id: int, customer: str = "cus_ok", amount: int = 99000, attempt: int = 1
+) -> ChargeDue:
     return ChargeDue.model_validate(
         {
             "schema": "charge.due/v1",
@@ -38,6 +41,7 @@ def due(order_id: int, customer: str = "cus_ok", amount: int = 99000) -> ChargeD
             "amount_minor": amount,
             "currency": "EUR",
             "due_at": dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
+            "attempt": attempt,
         },
         strict=False,
     )
@@ -162,13 +166,74 @@ async def test_a_decline_is_a_result_of_its_own_kind(
     again = await gateway.charge(charge)
 
     assert (result.status, result.decline_kind) == ("declined", kind)
-    assert result.decline_code is not None  # the bank's reason, or the kind itself
+    assert result.decline_code is not None  # the simulator always names the reason
     if kind == AUTHENTICATION_REQUIRED:
         assert result.decline_code == AUTHENTICATION_REQUIRED
     assert (again.status, again.decline_kind) == ("declined", kind)
     found = await gateway.lookup(8, PERIOD, customer_id=customer)
     assert [c.status for c in found] == ["failed"]
     assert gateway.available
+    assert await sim.made() == {}
+
+
+async def test_try_2_of_a_declined_period_has_its_own_key_and_attempt_and_can_succeed(
+    sim: Provider, gateway: Gateway
+) -> None:
+    customer = "cus_soft2_20"  # the simulator declines try 1 softly, charges try 2
+    first = await gateway.charge(due(20, customer))
+    second = await gateway.charge(due(20, customer, attempt=2))
+    again = await gateway.charge(due(20, customer, attempt=2))
+
+    assert (first.status, first.decline_code) == ("declined", "insufficient_funds")
+    assert (second.status, second.replayed) == ("succeeded", False)
+    assert (again.charge_id, again.replayed) == (second.charge_id, True)
+    period = [c for c in await sim.charges() if c["metadata"]["order_id"] == "20"]
+    assert [(c["idempotency_key"], c["metadata"].get("attempt"), c["status"]) for c in period] == [
+        (f"20:{PERIOD}", None, "failed"),  # try 1: the request from before retries
+        (f"20:{PERIOD}:2", "2", "succeeded"),
+    ]
+    assert await sim.made() == {due(20, attempt=2).key: 1}
+
+
+async def test_a_lookup_of_the_period_lists_every_trys_charge_with_its_attempt(
+    sim: Provider, gateway: Gateway
+) -> None:
+    customer = "cus_soft3_21"
+    results = [await gateway.charge(due(21, customer, attempt=n)) for n in (1, 2, 3)]
+
+    found = await gateway.lookup(21, PERIOD, customer_id=customer)
+
+    assert [r.status for r in results] == ["declined", "declined", "succeeded"]
+    assert [(c.attempt, c.status, c.decline_code) for c in found] == [
+        (1, "failed", "insufficient_funds"),
+        (2, "failed", "insufficient_funds"),
+        (3, "succeeded", None),
+    ]
+    assert found[-1].id == results[-1].charge_id
+    assert [c.id for c in found if c.captured] == [results[-1].charge_id]
+
+
+@pytest.mark.parametrize(
+    ("customer", "code", "klass"),
+    [
+        ("cus_code_insufficient_funds_1", "insufficient_funds", "soft"),
+        ("cus_code_do_not_honor_1", "do_not_honor", "soft"),
+        ("cus_decline_1", GENERIC_DECLINE, "soft"),
+        ("cus_code_expired_card_1", "expired_card", "customer_action"),
+        ("cus_auth_1", AUTHENTICATION_REQUIRED, "customer_action"),
+        ("cus_code_stolen_card_1", "stolen_card", "hard"),
+        ("cus_code_fraudulent_1", "fraudulent", "hard"),
+    ],
+)
+async def test_a_declines_code_and_class_reach_the_result_and_the_lookup(
+    sim: Provider, gateway: Gateway, customer: str, code: str, klass: str
+) -> None:
+    result = await gateway.charge(due(22, customer))
+    [found] = await gateway.lookup(22, PERIOD, customer_id=customer)
+
+    assert (result.status, result.decline_code) == ("declined", code)
+    assert decline_class(result.decline_code) == klass
+    assert (found.status, found.decline_code, found.attempt) == ("failed", code, 1)
     assert await sim.made() == {}
 
 
