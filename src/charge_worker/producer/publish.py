@@ -1,5 +1,6 @@
 """Publishing due charges to `charges.due`, each with `Nats-Msg-Id:
-charge:<order_id>:<billing_period>`; a failing publish is retried with backoff for up to
+charge:<order_id>:<billing_period>` (`...:<n>` for a declined period's try `n`, whose
+message says `attempt: n`); a failing publish is retried with backoff for up to
 `publish_retry_horizon_s`.
 
 Two ways in:
@@ -8,7 +9,8 @@ Two ways in:
   published (`published_at`, `published_seq`). Marking each row after its insert wrote every
   row twice, a third of PostgreSQL's work at a month start.
 - `publish_scheduled` / `Publisher.publish_leftovers`: every `scheduled` row not published
-  yet, oldest first, whoever wrote it (a run whose broker failed, rows written by hand). Each
+  yet, oldest first, whoever wrote it (a run whose broker failed, rows written by hand, the
+  next tries a run or `charge-worker retry` started). Each
   window's acked rows are then marked in one statement, outside any transaction that spans
   the publish.
 
@@ -51,10 +53,11 @@ MAX_RETRY_S = 5.0
 
 # Keyset on the sort order: rows another run publishes meanwhile, or a worker claims, drop
 # out; no row is read twice. A row written by hand may lack due_at: the contract's default.
+# A row's message asks for its current try (`attempt`): 1, or the try a retry started.
 _UNPUBLISHED = """
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
        coalesce(due_at, billing_period::timestamp AT TIME ZONE 'UTC') AS due_at, created_at,
-       traceparent
+       traceparent, current_try AS attempt
   FROM charge_attempts
  WHERE status = 'scheduled' AND published_at IS NULL
    AND (created_at, billing_period, order_id) > ($1, $2, $3)

@@ -1,7 +1,9 @@
 """Due subscriptions -> `charges.due` and `scheduled` rows in `charge_attempts` (a daily CronJob).
 
-One transaction per batch of due subscriptions, so that a crash anywhere, and any re-run,
-lose nothing and charge nothing twice:
+First, the declined periods whose next try is due are started (`start_tries`: their rows
+become `scheduled` for that try, and are published with what earlier runs left unpublished).
+Then one transaction per batch of due subscriptions, so that a crash anywhere, and any
+re-run, lose nothing and charge nothing twice:
 
 1. lock the batch's due subscriptions (`FOR UPDATE SKIP LOCKED`, so a concurrent run takes
    others) and work out their due periods (the subscription's anchor and interval:
@@ -62,6 +64,7 @@ from charge_worker.producer.publish import (
     opened,
 )
 from charge_worker.producer.summary import Problem, Progress, Summary, Ticker
+from charge_worker.retries.starts import start_due
 from charge_worker.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -131,6 +134,7 @@ UPDATE subscriptions AS s
 
 Key = tuple[int, dt.date]
 SCHEDULE_BATCH = 5000  # subscriptions per transaction
+START_BATCH = 1000  # tries started per statement
 LANES = 2  # transactions of one process at once: one waits for its acks while another works
 
 
@@ -187,7 +191,8 @@ async def produce(
     lanes: int = LANES,
     share: Share = WHOLE,
 ) -> Summary:
-    """Publish what earlier runs left unpublished, then schedule and publish what is due on
+    """Start the declined periods' next tries that are due (`start_tries`), publish them
+    with what earlier runs left unpublished, then schedule and publish what is due on
     or before `day` in `lanes` transactions at once (one publishes while another reads and
     writes); of the subscriptions in `share` only.
 
@@ -199,6 +204,7 @@ async def produce(
     async with translated("produce"), contextlib.AsyncExitStack() as stack:
         conn = await _connect(settings, stack)
         await privileges.require(conn, privileges.PRODUCE)
+        await start_tries(conn, summary, settings.retries.retry_cap_30d, progress=progress)
         cursor = Cursor(Ticker("due subscriptions examined", progress), share, share.after)
         try:
             nc = await streams.connect(settings.nats, name="charge-worker-produce", reconnect=False)
@@ -217,6 +223,28 @@ async def produce(
             for lane in conns
         )
     return summary
+
+
+async def start_tries(
+    conn: asyncpg.Connection,
+    summary: Summary,
+    cap: int,
+    *,
+    batch_size: int = START_BATCH,
+    progress: Progress | None = None,
+) -> None:
+    """Start the next try of every declined period whose `retry_at` has come, a batch per
+    statement (`retries.starts.start_due`), or postpone it where the 30-day cap of `cap`
+    would be exceeded. A started try's row is `scheduled` and unpublished: the run's
+    publishing of what is left unpublished sends it, with `attempt` its try."""
+    ticker = Ticker("next tries started", progress)
+    while True:
+        starts = await start_due(conn, batch_size, cap)
+        summary.tries_started += starts.started
+        summary.tries_postponed += starts.postponed
+        ticker.tick(starts.started)
+        if starts.rows < batch_size:
+            return
 
 
 async def _all(lanes: Iterable[Coroutine[Any, Any, None]]) -> None:

@@ -31,10 +31,13 @@ class Summary:
     """The figures of one run.
 
     `due` counts subscriptions this run took (a concurrent run takes the others); every other
-    count is of charges, one per (order_id, billing_period). `published` and `deduplicated`
-    (re-publishes JetStream dropped) include charges scheduled by earlier runs that had not
-    been published yet. `failed` is the publish that failed for the whole retry horizon;
-    `abandoned` counts the unpublished rows after it, not tried once the broker had failed.
+    count is of charges, one per (order_id, billing_period). `tries_started` counts the
+    declined periods whose next try this run started (`scheduled` again, published with the
+    others), `tries_postponed` those whose due try the 30-day cap pushed later.
+    `published` and `deduplicated` (re-publishes JetStream dropped) include charges
+    scheduled by earlier runs that had not been published yet, and the tries started.
+    `failed` is the publish that failed for the whole retry horizon; `abandoned` counts the
+    unpublished rows after it, not tried once the broker had failed.
     """
 
     day: dt.date
@@ -42,6 +45,8 @@ class Summary:
     scheduled: int = 0
     already_scheduled: int = 0
     already_settled: int = 0
+    tries_started: int = 0
+    tries_postponed: int = 0
     published: int = 0
     deduplicated: int = 0
     invalid: list[Problem] = field(default_factory=list)
@@ -85,6 +90,8 @@ class Summary:
             ("scheduled now", self.scheduled),
             ("already scheduled", self.already_scheduled),
             ("already settled", self.already_settled),
+            ("next tries started", self.tries_started),
+            ("tries postponed by the cap", self.tries_postponed),
             ("published", self.published),
             ("deduplicated by the server", self.deduplicated),
             ("invalid (skipped)", len(self.invalid)),
@@ -115,6 +122,8 @@ _COUNTS = (
     "scheduled",
     "already_scheduled",
     "already_settled",
+    "tries_started",
+    "tries_postponed",
     "published",
     "deduplicated",
     "abandoned",

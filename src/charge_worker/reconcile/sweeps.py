@@ -61,7 +61,8 @@ coalesce({_NEWEST} > $2 AND {_NEWEST} >= $3 AND NOT {_NEWEST} = ANY($4::bigint[]
 """
 _QUIET = f"""
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
-       due_at, status, attempt, updated_at, traceparent, fingerprint, gateway_charge_id
+       due_at, status, attempt, updated_at, traceparent, fingerprint, gateway_charge_id,
+       current_try
   FROM charge_attempts {_OPEN_AND_QUIET} AND NOT {_WAITING}
    AND (updated_at, order_id, billing_period) > ($5, $6, $7)
  ORDER BY updated_at, order_id, billing_period LIMIT $8
@@ -221,7 +222,8 @@ async def _recover(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
 
 
 def _message(row: asyncpg.Record) -> ChargeDue:
-    """The contract body rebuilt from a ledger row; `due_at` defaults to the period's start."""
+    """The contract body rebuilt from a ledger row, for the row's current try (`attempt`);
+    `due_at` defaults to the period's start."""
     period: dt.date = row["billing_period"]
     due_at = row["due_at"] or dt.datetime.combine(period, dt.time(), tzinfo=dt.UTC)
     fields = ("order_id", "subscription_id", "customer_id", "amount_minor", "currency")
@@ -229,6 +231,7 @@ def _message(row: asyncpg.Record) -> ChargeDue:
         return ChargeDue.model_validate(
             {"schema": SCHEMA, "billing_period": period, "due_at": due_at}
             | {name: row[name] for name in fields}
+            | {"attempt": row["current_try"]}
         )
     except ValidationError as error:
         why = error.errors()[0]["msg"]
