@@ -89,14 +89,19 @@ WEBHOOKS = Needs(
         _RATE,
     ),
 )
+# starting a declined period's next try archives the try before (retries/starts.py)
+_TRIES = Grant("charge_tries", ("SELECT", "INSERT"))
 PRODUCE = Needs(
     "produce",
     (
         Grant("subscriptions", ("SELECT", "UPDATE")),
         # its rows tell the charge's `scheduled` and `published` (events.py): no event row
         Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
+        _TRIES,
     ),
 )
+# `charge-worker retry`: one period's next try, started and published now
+RETRY = Needs("retry", (Grant("charge_attempts", ("SELECT", "UPDATE")), _TRIES))
 RECONCILE = Needs(
     "reconcile",
     (
@@ -110,6 +115,8 @@ RECONCILE = Needs(
         Grant("reconcile_checkpoint", ("SELECT", "INSERT", "UPDATE")),
         Grant("reconcile_followups", ("SELECT", "INSERT", "UPDATE", "DELETE")),
         _RATE,
+        # a period's earlier tries: their keys and charges
+        Grant("charge_tries", ("SELECT",)),
     ),
 )
 EXPLAIN = Needs(
@@ -119,9 +126,10 @@ EXPLAIN = Needs(
         Grant("deferred_scoring_checks", ("SELECT",)),
         Grant("charge_events", ("SELECT",)),
         Grant("charge_outcomes", ("SELECT",)),
+        Grant("charge_tries", ("SELECT",)),
     ),
 )
-EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RECONCILE, EXPLAIN)
+EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RETRY, RECONCILE, EXPLAIN)
 
 
 def _describe(table: str, privilege: str, serial: str, granted: bool | None) -> str:

@@ -10,6 +10,7 @@ embedded PostgreSQL, where the suite connects as a superuser.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -22,9 +23,11 @@ from charge_worker.errors import SettingsError
 from charge_worker.migrate import migrate
 from charge_worker.outcomes.outbox import Outbox
 from charge_worker.ratelimit import RateLimiter
+from charge_worker.retries.starts import retry_now, start_due
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
-from tests.support.grants import Roles, readme_roles
+from tests.integration.test_retry_starts import PERIOD, put_try
+from tests.support.grants import PASSWORD, Roles, readme_roles, with_user
 from tests.support.harness import due, eventually, provisioned, running_worker, settings_for
 from tests.support.outcomes import outcomes
 from tests.support.webhooks import (
@@ -203,7 +206,13 @@ async def test_the_webhooks_role_holds_exactly_what_the_receiver_uses(roles: Rol
     assert held == named(privileges.WEBHOOKS)
     # and the worker role no longer holds the receiver's journal
     assert not {relation for relation, _ in worker} & {"webhook_inbox", "webhook_inbox_id_seq"}
-    others = (privileges.RUN, privileges.PRODUCE, privileges.RECONCILE, privileges.EXPLAIN)
+    others = (
+        privileges.RUN,
+        privileges.PRODUCE,
+        privileges.RETRY,
+        privileges.RECONCILE,
+        privileges.EXPLAIN,
+    )
     assert worker == set().union(*(named(needs) for needs in others))
     assert named(privileges.RUN_VERIFYING) <= worker  # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match
 
@@ -245,3 +254,52 @@ async def test_before_the_migrations_the_tables_are_named_missing(empty_database
     # webhook_inbox, charge_attempts, deferred_scoring_checks, charge_events, rate_buckets,
     # once each
     assert len(lacking) == 5
+
+
+@contextlib.asynccontextmanager
+async def granted_exactly(roles: Roles, needs: privileges.Needs) -> AsyncIterator[str]:
+    """The URL of a role of its own holding exactly what `needs` names, on the documented
+    database: what one command may do, and nothing the worker role's other grants allow."""
+    name = f"{roles.worker}_{needs.command}"
+    admin = await asyncpg.connect(roles.superuser_url)
+    try:
+        await admin.execute(f"CREATE ROLE {name} LOGIN PASSWORD '{PASSWORD}'")
+        await admin.execute(f"GRANT CONNECT ON DATABASE {roles.database} TO {name}")
+        await admin.execute(f"GRANT USAGE ON SCHEMA public TO {name}")
+        for relation, privilege in named(needs):
+            kind = "SEQUENCE " if relation.endswith("_seq") else ""
+            await roles.as_owner(f"GRANT {privilege} ON {kind}{relation} TO {name}")
+        yield with_user(roles.admin_url, name, roles.database)
+    finally:
+        await admin.execute(f"DROP OWNED BY {name}")
+        await admin.execute(f"DROP ROLE {name}")
+        await admin.close()
+
+
+async def test_the_producers_grants_start_due_tries_and_retrys_start_one(
+    roles: Roles, owner: asyncpg.Connection
+) -> None:
+    """Starting a try archives the one before (INSERT on charge_tries) and resets the row;
+    from `action_required`, `retry`'s change writes its outcome event through the trigger."""
+    for order_id, status in ((21, "retry_scheduled"), (22, "action_required")):
+        await put_try(owner, order_id, status)
+    async with granted_exactly(roles, privileges.PRODUCE) as producer_url:
+        conn = await asyncpg.connect(producer_url)
+        try:
+            await privileges.require(conn, privileges.PRODUCE)
+            starts = await start_due(conn, limit=10, cap=8)
+        finally:
+            await conn.close()
+    async with granted_exactly(roles, privileges.RETRY) as retry_url:
+        conn = await asyncpg.connect(retry_url)
+        try:
+            await privileges.require(conn, privileges.RETRY)
+            started = await retry_now(conn, 22, PERIOD, cap=8)
+        finally:
+            await conn.close()
+    assert (starts.started, started.try_no) == (1, 2)
+    rows = await owner.fetch("SELECT status, current_try FROM charge_attempts ORDER BY order_id")
+    assert [tuple(r) for r in rows] == [("scheduled", 2), ("scheduled", 2)]
+    assert await owner.fetchval("SELECT count(*) FROM charge_tries") == 2
+    events = await owner.fetch("SELECT type FROM charge_outcomes WHERE order_id = 22")
+    assert [e["type"] for e in events] == ["charge.action_required", "charge.retry_scheduled"]
