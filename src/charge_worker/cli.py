@@ -250,6 +250,25 @@ def explain(order_id: int, billing_period: dt.datetime, as_json: bool, ask_gatew
 
 
 @main.command()
+@click.argument("order_id", type=int)
+@click.argument("billing_period", type=click.DateTime(formats=["%Y-%m-%d"]))
+@click.option("--json", "as_json", is_flag=True, help="Print the try started as JSON.")
+def retry(order_id: int, billing_period: dt.datetime, as_json: bool) -> None:
+    """Start a declined period's next try now, on purpose (the customer fixed their card).
+
+    Allowed from retry_scheduled, action_required, and declined unless by a hard decline;
+    refused in one line (exit 1) when the period holds money, has a try in flight, is
+    blocked or failed, or has reached CHARGE_WORKER_RETRY_CAP_30D. The try is published at
+    once with Nats-Msg-Id charge:<order_id>:<billing_period>:<n>; exits 1 if it could not
+    be (it stays started: the next `produce` publishes it).
+    """
+    from charge_worker.producer.retry import retry_command  # noqa: PLC0415
+
+    period = billing_period.date()
+    raise SystemExit(_run(retry_command(_settings(), order_id, period, as_json=as_json)))
+
+
+@main.command()
 def webhooks() -> None:
     """Receive the gateway's webhooks: verify, journal, answer 2xx fast; apply them in order.
 
