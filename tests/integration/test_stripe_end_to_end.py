@@ -1,6 +1,7 @@
 """`GATEWAY_KIND=stripe` end to end against the Stripe-flavoured simulator: the worker charges
-off-session PaymentIntents, `authentication_required` is a decline of its own kind (counted,
-shown by `explain`), `processing` stays open and is never re-sent, and reconcile settles it
+off-session PaymentIntents, a generic decline is soft (its next try scheduled),
+`authentication_required` is a decline of its own kind (counted, shown by `explain`, waiting
+for the customer), `processing` stays open and is never re-sent, and reconcile settles it
 and refunds a double charge. Real nats-server, PostgreSQL and the simulators over HTTP."""
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ async def test_worker_explain_and_reconcile_on_stripe(
 
     found = await statuses(conn)
     assert found[1][0] == "succeeded"
-    assert found[2] == ("declined", "generic_decline")  # the bank's decline_code
-    assert found[3] == ("declined", "authentication_required")
+    assert found[2] == ("retry_scheduled", "generic_decline")  # the bank's code: soft
+    assert found[3] == ("action_required", "authentication_required")  # the customer acts
     assert found[4] == ("processing", None)  # open: acked, never re-sent
     assert await stripe_sim.made() == {"1:2026-12-01": 1}  # the debit has not settled yet
 
@@ -120,7 +121,7 @@ async def test_worker_explain_and_reconcile_on_stripe(
     assert (report.counts.double_charges, report.counts.refunds) == (1, 1)
     found = await statuses(conn)
     assert found[4][0] == "succeeded"  # reconcile's lookup: the debit went through
-    assert found[3] == ("declined", "authentication_required")
+    assert found[3] == ("action_required", "authentication_required")
     assert (await stripe_sim.stats())["refunds"] == 1
     assert await reconciled_again_changes_nothing(settings)
 
