@@ -273,8 +273,8 @@ class WebhookSettings(_EnvGroup):
         return value
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
+_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 DAY_S = 86400.0
 CAP_WINDOW_S = 30 * DAY_S  # the window of CHARGE_WORKER_RETRY_CAP_30D
 
@@ -305,7 +305,9 @@ class RetrySettings(_EnvGroup):
                 continue
             match = _DURATION.fullmatch(part)
             if match is None:
-                raise ValueError(f"{part!r} is not a duration like 12h or 3d (units s, m, h, d)")
+                raise ValueError(
+                    f"{part!r} is not a duration like 12h or 3d (units s, m, h, d; none: s)"
+                )
             steps.append(float(match[1]) * _UNIT_S[match[2]])
         return tuple(steps)
 

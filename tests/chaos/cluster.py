@@ -60,6 +60,8 @@ CHAOS_SETTINGS: dict[str, Any] = {
     "reconcile_quiet_s": 3.0,
     "db_pool_max": 20,
     "outbox_retry_max_s": 2.0,
+    # a decline ends the period: the generator's declined keys expect `declined`
+    "retry_schedule": (),
 }
 RESTART_AFTER_S = 0.5
 FAILPOINT_DEATH = "worker died at a failpoint"  # a SIGKILL no nemesis sent

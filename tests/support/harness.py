@@ -30,6 +30,7 @@ from charge_worker.settings import (
     HttpSettings,
     NatsSettings,
     ReconcileSettings,
+    RetrySettings,
     ScoringSettings,
     Settings,
     WorkerSettings,
@@ -62,6 +63,7 @@ def settings_for(
         },
         "http": {"http_host": "127.0.0.1", "metrics_port": 0},
         "reconcile": {},
+        "retries": {},
     }
     classes = {
         "nats": NatsSettings,
@@ -71,6 +73,7 @@ def settings_for(
         "gateway": GatewaySettings,
         "http": HttpSettings,
         "reconcile": ReconcileSettings,
+        "retries": RetrySettings,
     }
     for field, value in overrides.items():
         group = next(g for g, cls in classes.items() if field in cls.model_fields)
