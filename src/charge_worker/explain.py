@@ -1,6 +1,7 @@
 """`charge-worker explain ORDER_ID PERIOD`: one charge's whole story, in time order.
 
-The ledger row says where the charge stands; `charge_events` says how it got there
+The ledger row says where the charge stands, and its current try; `charge_tries` the
+period's earlier tries (each declined); `charge_events` says how it got there
 (scheduled, published, every delivery with its claim, scoring, lookup, gateway answer and
 action, every gateway call, reconcile's repairs); `--gateway` adds what the gateway holds.
 Much of it came from message bodies and the gateway: each line is printed escaped
@@ -38,6 +39,14 @@ SELECT sequence, type, occurred_at, sent_at, stream_seq, tries, last_error, next
  WHERE order_id = $1 AND billing_period = $2
  ORDER BY sequence
 """
+# the period's earlier tries; the row holds the current one
+_TRIES = """
+SELECT try_no AS try, idempotency_key AS key, 'declined' AS status, gateway_charge_id,
+       decline_code, decline_class, last_error, started_at, ended_at
+  FROM charge_tries
+ WHERE order_id = $1 AND billing_period = $2
+ ORDER BY try_no
+"""
 
 
 async def explain_command(
@@ -55,6 +64,7 @@ async def explain_command(
             row = await pool.fetchrow(_ROW, order_id, billing_period)
             story = await events.story(pool, order_id, billing_period)
             kept = [dict(r) for r in await pool.fetch(_OUTCOMES, order_id, billing_period)]
+            earlier = [dict(r) for r in await pool.fetch(_TRIES, order_id, billing_period)]
     finally:
         await pool.close()
     at_gateway: list[dict[str, Any]] = []
@@ -77,10 +87,12 @@ async def explain_command(
     state = {k: v for k, v in dict(row or {}).items() if k not in _HIDDEN and v is not None}
     count = state.get("outcome_seq", len(kept))
     outcomes = {"count": count, "pruned": count - len(kept), "events": kept}
+    tries = earlier + ([_current_try(row)] if row is not None else [])
     if as_json:
         document = {
             "key": key,
             "state": state,
+            "tries": tries,
             "deferred_check": row and row["check_status"],
             "events": [asdict(e) for e in story],
             "outcomes": outcomes,
@@ -88,11 +100,10 @@ async def explain_command(
         }
         click.echo(json.dumps(document, default=str, indent=2))
         return 0
-    for line in _headline(key, state):
-        _say(line)
     if row is not None and row["check_status"]:
-        _say(f"  deferred scoring check: {row['check_status']} ({row['check_reason']})")
-    _say("story:")
+        state["deferred scoring check"] = f"{row['check_status']} ({row['check_reason']})"
+    for line in [*_headline(key, state), *_try_lines(tries), "story:"]:
+        _say(line)
     for event in story:
         when = _at(event.at)
         actor = printable(event.actor)
@@ -119,6 +130,16 @@ def _headline(key: str, state: dict[str, Any]) -> list[str]:
         f"  claims {state['attempt']}, gateway calls "
         f"{state['gateway_calls']}, scoring {state.get('scoring', '-')}",
     ]
+    if state["status"] == "retry_scheduled":
+        lines.append(
+            f"  retry scheduled: try {state['current_try'] + 1} is due at"
+            f" {_at(state['retry_at'])} (the `produce` run after it starts it)"
+        )
+    elif state["status"] == "action_required":
+        lines.append(
+            "  action required: the customer must act; once they have,"
+            " `charge-worker retry` starts the next try"
+        )
     if state["status"] == "processing":
         lines.append(
             "  processing: the provider accepted it and the bank settles it later; nothing is"
@@ -137,9 +158,43 @@ def _headline(key: str, state: dict[str, Any]) -> list[str]:
         lines.append(f"  gateway revision {state['gateway_revision']} (webhooks applied)")
     if "disputed_at" in state:
         lines.append(f"  disputed at {state['disputed_at'].isoformat()}")
-    for name in ("last_error", "review_reason"):
+    for name in ("last_error", "review_reason", "deferred scoring check"):
         if name in state:
             lines.append(f"  {name.replace('_', ' ')}: {state[name]}")
+    return lines
+
+
+def _current_try(row: Any) -> dict[str, Any]:
+    """The row's current try, in the shape of an earlier one (`_TRIES`): not ended while it
+    is open or waits for its next try to start."""
+    return {
+        "try": row["current_try"],
+        "key": row["idempotency_key"],
+        "status": row["status"],
+        "gateway_charge_id": row["gateway_charge_id"],
+        "decline_code": row["decline_code"],
+        "decline_class": row["decline_class"],
+        "last_error": row["last_error"],
+        "started_at": row["try_started_at"] or row["created_at"],
+        "ended_at": row["settled_at"],
+    }
+
+
+def _try_lines(tries: list[dict[str, Any]]) -> list[str]:
+    """Every try of the period, oldest first: its number, key, status, decline, times."""
+    if not tries:
+        return []
+    lines = [f"tries: {len(tries)}"]
+    for t in tries:
+        line = f"  try {t['try']}  {t['key']:<24}  {t['status']:<15}"
+        if t["decline_code"] or t["decline_class"]:
+            line += f"  {t['decline_code'] or 'generic_decline'} ({t['decline_class'] or '-'})"
+        if t["gateway_charge_id"]:
+            line += f"  {t['gateway_charge_id']}"
+        line += f"  started {_at(t['started_at'])}"
+        if t["ended_at"] is not None:
+            line += f"  ended {_at(t['ended_at'])}"
+        lines.append(line)
     return lines
 
 

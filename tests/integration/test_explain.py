@@ -16,6 +16,7 @@ from charge_worker.explain import explain_command
 from charge_worker.ledger import Ledger, Settlement
 from charge_worker.producer.schedule import produce
 from charge_worker.reconcile.run import run_reconcile
+from charge_worker.retries.starts import start_due
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from tests.support.harness import eventually, provisioned, running_worker, set_sim, settings_for
@@ -25,6 +26,7 @@ from .test_ledger import PERIOD, charge
 from .test_outcome_relay import relay_for
 from .test_producer import DAY, Sub, add_subscriptions
 from .test_reconcile import charge_id, put_row
+from .test_retry_starts import put_try
 
 
 @pytest.fixture
@@ -237,3 +239,56 @@ async def test_a_period_without_outcome_events_says_so(
     assert "outcome events: none (no change of state an event is written for)" in story
     document = json.loads(await told(settings, 9, capsys, as_json=True))
     assert document["outcomes"] == {"count": 0, "pruned": 0, "events": []}
+
+
+async def test_every_try_of_the_period_with_its_key_decline_and_times(
+    settings: Settings, conn: asyncpg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Try 1 declined soft, try 2 started by the producer's step and declined again: the
+    period waits for try 3."""
+    await put_try(conn, 10)
+    await start_due(conn, limit=10, cap=8)
+    await conn.execute(
+        "UPDATE charge_attempts SET status = 'retry_scheduled', retry_at = now() + interval"
+        " '3 days', decline_code = 'do_not_honor', decline_class = 'soft', settled_at = now(),"
+        " gateway_charge_id = 'ch_10_2' WHERE order_id = 10"
+    )
+
+    story = await told(settings, 10, capsys)
+
+    assert re.search(r"\n  retry scheduled: try 3 is due at 20\S+ \(the `produce` run", story)
+    tries = story.split("tries: 2\n")[1].splitlines()[:3]
+    assert re.fullmatch(
+        rf"  try 1  10:{DAY} +declined +insufficient_funds \(soft\)  ch_10_1"
+        r"  started 20\S+  ended 20\S+",
+        tries[0],
+    ), tries[0]
+    assert re.fullmatch(
+        rf"  try 2  10:{DAY}:2 +retry_scheduled +do_not_honor \(soft\)  ch_10_2"
+        r"  started 20\S+  ended 20\S+",
+        tries[1],
+    ), tries[1]
+    assert tries[2] == "story:"
+
+    document = json.loads(await told(settings, 10, capsys, as_json=True))
+    assert [
+        (t["try"], t["key"], t["status"], t["decline_code"], t["decline_class"])
+        for t in document["tries"]
+    ] == [
+        (1, f"10:{DAY}", "declined", "insufficient_funds", "soft"),
+        (2, f"10:{DAY}:2", "retry_scheduled", "do_not_honor", "soft"),
+    ]
+    first, second = document["tries"]
+    assert first["ended_at"] <= second["started_at"]
+    assert document["state"]["current_try"] == 2
+
+
+async def test_a_period_on_its_first_try_lists_that_one(
+    settings: Settings, conn: asyncpg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await put_row(conn, 11, "pending")
+    story = await told(settings, 11, capsys)
+    assert re.search(rf"\ntries: 1\n  try 1  11:{DAY} +pending +started 20\S+\nstory:\n", story)
+    document = json.loads(await told(settings, 11, capsys, as_json=True))
+    [only] = document["tries"]
+    assert (only["try"], only["key"], only["ended_at"]) == (1, f"11:{DAY}", None)
