@@ -262,7 +262,7 @@ def retry(order_id: int, billing_period: dt.datetime, as_json: bool) -> None:
     once with Nats-Msg-Id charge:<order_id>:<billing_period>:<n>; exits 1 if it could not
     be (it stays started: the next `produce` publishes it).
     """
-    from charge_worker.producer.retry import retry_command  # noqa: PLC0415
+    from charge_worker.producer import retry_command  # noqa: PLC0415
 
     period = billing_period.date()
     raise SystemExit(_run(retry_command(_settings(), order_id, period, as_json=as_json)))
