@@ -38,7 +38,6 @@ Every other `OutcomeUnknown` and every `DependencyUnavailable` counts toward the
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -214,7 +213,7 @@ class ContractGateway(Guarded):
             raise _classify(response)
         data = _json(response)
         try:
-            charges = [_charge(item) for item in data["data"]]
+            charges = [GatewayCharge.from_json(item) for item in data["data"]]
         except (KeyError, TypeError, ValueError) as error:
             raise OutcomeUnknown(f"unreadable charge list: {error!r}") from error
         return HistoryPage(charges, bool(data.get("has_more")))
@@ -243,15 +242,6 @@ class ContractGateway(Guarded):
             return response
 
         return await self.guarded(f"{method} {path}", request, before_send=before_send)
-
-
-def _charge(item: dict[str, Any]) -> GatewayCharge:
-    """A charge object of the contract; a failed one with its `decline_code`, if it says."""
-    charge = GatewayCharge.from_json(item)
-    code = item.get("decline_code")
-    if charge.status != "failed" or not isinstance(code, str) or not code:
-        return charge
-    return dataclasses.replace(charge, decline_code=code)
 
 
 def _decline_code(error: dict[str, Any]) -> str | None:

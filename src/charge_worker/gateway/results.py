@@ -94,9 +94,11 @@ class GatewayCharge:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GatewayCharge:
-        """A charge object of docs/contracts/gateway.md."""
+        """A charge object of docs/contracts/gateway.md (a failed one with its
+        `decline_code`, when it says)."""
         metadata = data.get("metadata") or {}
         amount, status = int(data["amount"]), str(data["status"])
+        code = data.get("decline_code")
         refunded_in_full = status == "refunded"  # the status an older gateway reported
         return cls(
             id=str(data["id"]),
@@ -109,6 +111,7 @@ class GatewayCharge:
             created=int(data["created"]),
             amount_refunded=amount if refunded_in_full else int(data.get("amount_refunded") or 0),
             refunded=refunded_in_full or data.get("refunded") is True,
+            decline_code=code if status == "failed" and isinstance(code, str) and code else None,
             attempt=try_of(metadata),
         )
 
