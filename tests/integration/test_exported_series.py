@@ -12,14 +12,17 @@ as exported when its `_bucket` is.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from pathlib import Path
 
+import asyncpg
 import httpx
 from nats.aio.client import Client
 
 from charge_worker.reconcile.run import reconcile_command
+from charge_worker.retries.starts import start_due
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
 from tests.support.harness import (
@@ -134,21 +137,33 @@ async def test_every_series_the_alerts_and_the_dashboard_read_is_exported(
     )
     js = await provisioned(nc, settings)
     # scoring down: the charge goes ahead and leaves a deferred check; a poison message
-    # is dead-lettered
+    # is dead-lettered; a card declined on its first try is charged on its second
     await set_sim(scoring_sim.url, error_rate=1.0)
     await publish(js, settings.nats.subject, due(1))
     await publish(js, settings.nats.subject, b"not json")
+    await publish(js, settings.nats.subject, due(3, customer="cus_soft2_3"))
     async with running_worker(settings) as worker, httpx.AsyncClient() as client:
-        await eventually(lambda: consumer_idle(nc, settings.nats), "both settled")
+        await eventually(lambda: consumer_idle(nc, settings.nats), "all three settled")
         await set_sim(scoring_sim.url, error_rate=0.0)
         await eventually(
             lambda: (
                 worker.metric("charge_worker_deferred_checks_resolved_total", verdict="approved")
-                == 1
+                == 2  # order 1's, and order 3's first try: declined, but sent without a verdict
             ),
-            "the deferred check resolved",
+            "the deferred checks resolved",
         )
         assert worker.metric("charge_worker_dead_letters_total", reason="poison") == 1
+        later = dt.datetime.now(dt.UTC) + dt.timedelta(days=30)  # the next try is due by then
+        conn = await asyncpg.connect(database_url)
+        try:
+            assert (await start_due(conn, limit=10, cap=8, now=later)).started == 1
+        finally:
+            await conn.close()
+        await publish(js, settings.nats.subject, due(3, customer="cus_soft2_3", attempt=2))
+        await eventually(
+            lambda: worker.metric("charge_worker_retry_recovered_minor_total", currency="RUB") > 0,
+            "try 2 charged",
+        )
         exported |= sample_names((await client.get(f"{worker.http_url}/metrics")).text)
 
     receiving = webhook_settings(database_url, gateway_sim.url)
