@@ -120,7 +120,8 @@ async def _clean_pool(url: str) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(url, min_size=1, max_size=2)
     assert pool is not None
     await pool.execute(
-        "TRUNCATE charge_attempts, deferred_scoring_checks, charge_events, charge_outcomes"
+        "TRUNCATE charge_attempts, charge_tries, deferred_scoring_checks, charge_events,"
+        " charge_outcomes"
     )
     return pool
 
