@@ -27,6 +27,7 @@ Our exception hierarchy::
     │   └── LeaseHeld ............ another live worker owns this charge right now
     ├── AlreadySettled ........... the charge reached a final state before: ack the duplicate
     ├── GuardRefused ............. a guarded ledger write matched no row the rules allowed (a bug)
+    ├── RetryRefused ............. `charge-worker retry` refused: one line, nothing changed
     └── DeliveryRejected ......... a webhook delivery refused before anything was recorded
         ├── MalformedDelivery .... missing or malformed headers or body: 400
         ├── UnauthenticDelivery .. no valid signature, or a stale timestamp: 401
@@ -144,6 +145,10 @@ class AlreadySettled(ChargeWorkerError):
 
 class GuardRefused(ChargeWorkerError):
     """The guarded ledger write matched no row although the rules allowed it (a bug)."""
+
+
+class RetryRefused(ChargeWorkerError):
+    """No next try may be started for this period now."""
 
 
 class DeliveryRejected(ChargeWorkerError):

@@ -19,10 +19,11 @@ import asyncpg
 import pytest
 from nats.aio.client import Client
 
+from charge_worker.errors import RetryRefused
 from charge_worker.messages import idempotency_key, parse
 from charge_worker.producer.schedule import produce
 from charge_worker.reconcile.run import run_reconcile
-from charge_worker.retries.starts import RetryRefused, retry_now, start_due
+from charge_worker.retries.starts import retry_now, start_due
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import (
     CAP_WINDOW_S,

@@ -30,7 +30,7 @@ from asyncpg.pool import PoolConnectionProxy
 from pydantic import ValidationError
 
 from charge_worker.database import translated
-from charge_worker.errors import ChargeWorkerError
+from charge_worker.errors import RetryRefused
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
 from charge_worker.settings import CAP_WINDOW_S
 
@@ -147,10 +147,6 @@ _REFUSED = {
     "failed": "{key} is failed, nothing charged: replay its dead letter (`charge-worker dlq"
     " replay`) instead",
 }
-
-
-class RetryRefused(ChargeWorkerError):
-    """No next try may be started for this period now."""
 
 
 @dataclass(frozen=True)
