@@ -1,11 +1,12 @@
 """The bare pipeline: the worker's I/O per message with none of its safety — the ceiling.
 
 Per message, exactly the round trips a charge needs: pull fetch (to free capacity, like the
-worker), claim `INSERT`, score `POST`, charge `POST`, mark `UPDATE`, ack, and the charge's
-outcome event published to JetStream (`<outcomes_subject>.succeeded`, with a `Nats-Msg-Id`),
-batched as the worker's relay batches: up to `outbox_batch` events published at once, every
-ack awaited, again at once while batches come full, else after `outbox_poll_s`. No
-validation model, no lease fence, no breaker, no heartbeats, no deadline, no gateway-call
+worker), claim `INSERT`, score `POST`, charge `POST`, mark `UPDATE` (`succeeded`, or on the
+gateway's `402` `declined` with its decline code: no retries), ack, and the charge's outcome
+event published to JetStream (`<outcomes_subject>.succeeded` or `.declined`, with a `Nats-
+Msg-Id`), batched as the worker's relay batches: up to `outbox_batch` events published at
+once, every ack awaited, again at once while batches come full, else after `outbox_poll_s`.
+No validation model, no lease fence, no breaker, no heartbeats, no deadline, no gateway-call
 bookkeeping, no event rows, no outbox (the events wait in a list in memory, and one whose
 publish fails is lost), no metrics, no log line. The HTTP clients are the worker's own
 (`charge_worker.http.build_client`: httpx over the httpx-aiohttp transport), the pool is
@@ -38,6 +39,7 @@ from pydantic import BaseModel
 
 from charge_worker import event_loop
 from charge_worker.database import keep_session
+from charge_worker.declines import GENERIC_DECLINE, decline_class
 from charge_worker.http import build_client
 
 DRAIN_S = 10.0
@@ -53,10 +55,11 @@ ON CONFLICT DO NOTHING
 
 MARK = """
 UPDATE charge_attempts
-   SET status = 'succeeded', gateway_charge_id = $3, lease_owner = NULL, lease_until = NULL,
-       settled_at = now(), updated_at = now()
+   SET status = $3, gateway_charge_id = $4, decline_code = $5, lease_owner = NULL,
+       lease_until = NULL, settled_at = now(), updated_at = now()
  WHERE order_id = $1 AND billing_period = $2
 """
+DECLINED = 402  # the contract's card decline (docs/contracts/gateway.md)
 
 
 class BareConfig(BaseModel):
@@ -95,7 +98,7 @@ class BarePipeline:
         self.scoring = scoring
         self.gateway = gateway
         self.js = js  # `run` connects its own
-        self.unsent: list[tuple[str, bytes]] = []  # (event id, body) of charges marked
+        self.unsent: list[tuple[str, str, bytes]] = []  # (event id, kind, body) of charges marked
         self.done = 0
         self.failed = 0
         self.published = 0
@@ -107,10 +110,10 @@ class BarePipeline:
             key = f"{order_id}:{charge['billing_period']}"
             await self._claim(charge, period, key)
             await self._score(charge)
-            charge_id = await self._charge(charge, key)
-            await self._mark(order_id, period, charge_id)
+            charge_id, decline_code = await self._charge(charge, key)
+            await self._mark(order_id, period, charge_id, decline_code)
             if self.config.outcome_events:
-                self.unsent.append(_outcome(charge, charge_id))
+                self.unsent.append(_outcome(charge, charge_id, decline_code))
             await msg.ack()
             self.done += 1
         except (  # the harness sees a failure as a message never acked
@@ -152,7 +155,8 @@ class BarePipeline:
         verdict = (await self.scoring.post("/v1/score", json=score)).json()["decision"]
         assert verdict == "approve", verdict
 
-    async def _charge(self, charge: dict[str, Any], key: str) -> str:
+    async def _charge(self, charge: dict[str, Any], key: str) -> tuple[str | None, str | None]:
+        """The charge's id (None: declined) and its decline code (None: charged)."""
         body = {
             "amount": charge["amount_minor"],
             "currency": charge["currency"],
@@ -163,10 +167,17 @@ class BarePipeline:
             },
         }
         answer = await self.gateway.post("/v1/charges", json=body, headers={"Idempotency-Key": key})
-        return str(answer.json()["id"])
+        if answer.status_code == DECLINED:
+            error = answer.json()["error"]
+            return None, str(error.get("decline_code") or GENERIC_DECLINE)
+        answer.raise_for_status()
+        return str(answer.json()["id"]), None
 
-    async def _mark(self, order_id: int, period: dt.date, charge_id: str) -> None:
-        await self.pool.execute(MARK, order_id, period, charge_id)
+    async def _mark(
+        self, order_id: int, period: dt.date, charge_id: str | None, decline_code: str | None
+    ) -> None:
+        status = "succeeded" if decline_code is None else "declined"
+        await self.pool.execute(MARK, order_id, period, status, charge_id, decline_code)
 
     # The relay's part, bare: publish what was marked, in batches.
     async def publish_outcomes(self) -> int:
@@ -177,7 +188,7 @@ class BarePipeline:
             self.unsent[self.config.outbox_batch :],
         )
         results = await asyncio.gather(
-            *(self._publish(event_id, body) for event_id, body in batch), return_exceptions=True
+            *(self._publish(*event) for event in batch), return_exceptions=True
         )
         for result in results:
             if isinstance(result, Exception):
@@ -188,10 +199,10 @@ class BarePipeline:
         self.published += sum(1 for result in results if result is None)
         return len(batch)
 
-    async def _publish(self, event_id: str, body: bytes) -> None:
+    async def _publish(self, event_id: str, kind: str, body: bytes) -> None:
         assert self.js is not None
         await self.js.publish(
-            f"{self.config.outcomes_subject}.succeeded",
+            f"{self.config.outcomes_subject}.{kind}",
             body,
             timeout=self.config.outbox_publish_timeout_s,
             headers={"Nats-Msg-Id": f"outcome:{event_id}"},
@@ -237,14 +248,18 @@ class BarePipeline:
             await nc.close()
 
 
-def _outcome(charge: dict[str, Any], charge_id: str) -> tuple[str, bytes]:
-    """The charge's `charge.succeeded` event (docs/contracts/charge-outcome.md): its id and
-    body, with the fields the worker's outbox writes."""
+def _outcome(
+    charge: dict[str, Any], charge_id: str | None, decline_code: str | None
+) -> tuple[str, str, bytes]:
+    """The charge's `charge.succeeded` or `charge.declined` event
+    (docs/contracts/charge-outcome.md): its id, kind and body, with the fields the worker's
+    outbox writes."""
     event_id = f"{charge['order_id']}:{charge['billing_period']}:1"
+    kind = "succeeded" if decline_code is None else "declined"
     body = {
         "schema": "charge.outcome/v1",
         "event_id": event_id,
-        "type": "charge.succeeded",
+        "type": f"charge.{kind}",
         "sequence": 1,
         "order_id": charge["order_id"],
         "billing_period": charge["billing_period"],
@@ -254,11 +269,11 @@ def _outcome(charge: dict[str, Any], charge_id: str) -> tuple[str, bytes]:
         "currency": charge["currency"],
         "attempt": 1,
         "gateway_charge_id": charge_id,
-        "decline_code": None,
-        "decline_class": None,
+        "decline_code": decline_code,
+        "decline_class": None if decline_code is None else decline_class(decline_code),
         "occurred_at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
     }
-    return event_id, json.dumps(body).encode()
+    return event_id, kind, json.dumps(body).encode()
 
 
 async def serve(config: BareConfig) -> None:

@@ -8,7 +8,8 @@ A sample runs on a fresh database and streams of its own:
    worker's outbox), disable the ledger's outbox triggers: the bare pipeline's `UPDATE`
    would fire them too;
 2. publish the backlog of N due charges (with `Plan.subscriptions`, first an active
-   `subscriptions` row agreeing with each, for the worker's subscription check);
+   `subscriptions` row agreeing with each, for the worker's subscription check; with
+   `Plan.decline_every`, every k-th customer's card is declined);
 3. start the consumer processes (the worker, `charge-worker run`, or the bare pipeline)
    and wait until they are ready;
 4. note every process group's CPU time, resume the consumer: the clock starts;
@@ -19,7 +20,9 @@ A sample runs on a fresh database and streams of its own:
 7. optionally a paced phase: publish at a fraction of the rate just measured, and take
    publish-to-ack latencies from the ack advisories (see `load.py`);
 8. the outcome events in the stream and the rows in the outbox, once every message's event
-   is in (or after `OUTCOMES_TIMEOUT_S`), for the sample's checks.
+   is in (or after `OUTCOMES_TIMEOUT_S`), for the sample's checks; the ledger's rows by
+   status; once the consumers have stopped and their connections are gone, the
+   transactions committed in the sample's database (`pg_stat_database.xact_commit`).
 
 The figure for throughput is the steady rate between 10 % and 90 % acked
 (`stats.steady_rate`): a resumed consumer serves the pull request that waited while it was
@@ -36,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import math
 import os
 import time
 import uuid
@@ -74,6 +78,7 @@ from charge_worker.settings import (
     LogSettings,
     NatsSettings,
     ReconcileSettings,
+    RetrySettings,
     ScoringSettings,
     Settings,
     WorkerSettings,
@@ -115,6 +120,7 @@ def worker_settings(stack: Stack, database_url: str, **worker: Any) -> Settings:
         ),
         db=_defaults_only(DbSettings, url=database_url),
         worker=_defaults_only(WorkerSettings, **worker),
+        retries=_defaults_only(RetrySettings),  # the default schedule: a soft decline waits
         scoring=_defaults_only(ScoringSettings, url=stack.scoring.url, **scoring),
         gateway=_defaults_only(
             GatewaySettings, url=stack.gateway.url, api_key=SecretStr(stack.api_key)
@@ -256,6 +262,8 @@ class Plan:
     # phase), written before its message: the worker with verify_subscription=match
     subscriptions: bool = False
     events: Events = "outbox"
+    # > 0: every this-many-th customer's card is declined (soft; `load.customer_id`)
+    decline_every: int = 0
 
 
 @dataclass
@@ -280,6 +288,10 @@ class Drained:
     metered_s: float = 0.0  # from resuming to the CPU's second reading (last event in)
     outcomes: int = 0  # events in the sample's outcome events stream, at its end
     outbox_rows: int = 0  # rows in `charge_outcomes` (sent or not), at its end
+    declining: int = 0  # messages (backlog and paced) whose customer's card is declined
+    # transactions committed in the sample's database over the whole sample (setup, drain,
+    # paced phase, the consumers' start and stop), from `pg_stat_database`
+    transactions: int = 0
 
     @property
     def whole_rate(self) -> float:
@@ -308,6 +320,16 @@ class Drained:
         """CPU µs of a process group per acked message, over the whole drain."""
         return per_item_us(self.cpu_s.get(group, 0.0), self.acked)
 
+    @property
+    def published(self) -> int:
+        """Messages published: the backlog and the paced phase's."""
+        return self.messages + int(self.latency.get("published", 0))
+
+    @property
+    def transactions_per_charge(self) -> float:
+        """Transactions committed in the sample's database per message published."""
+        return self.transactions / self.published if self.transactions else math.nan
+
     def as_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["rate"] = self.rate
@@ -335,15 +357,37 @@ def _worker_figures(scraped: list[Samples]) -> dict[str, float]:
     return figures
 
 
-async def _statuses(database_url: str) -> tuple[dict[str, int], int]:
-    """The ledger's rows by status, and the outbox's rows."""
+async def _statuses(database_url: str) -> tuple[dict[str, int], int, int]:
+    """The ledger's rows by status, the outbox's rows, and the transactions committed in
+    the database so far (this connection's own not yet counted)."""
     conn = await asyncpg.connect(database_url)
     try:
         rows = await conn.fetch("SELECT status, count(*) FROM charge_attempts GROUP BY status")
         outbox = await conn.fetchval("SELECT count(*) FROM charge_outcomes")
+        transactions = await _committed(conn)
     finally:
         await conn.close()
-    return {str(row[0]): int(row[1]) for row in rows}, int(outbox)
+    return {str(row[0]): int(row[1]) for row in rows}, int(outbox), transactions
+
+
+async def _committed(conn: asyncpg.Connection) -> int:
+    """`pg_stat_database.xact_commit` of the connection's database, once every other
+    backend on it has exited: a backend's counts reach the statistics at the latest when
+    it exits, and it still shows in `pg_stat_activity` until then."""
+    deadline = time.monotonic() + OUTCOMES_TIMEOUT_S
+    while await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ):
+        if time.monotonic() > deadline:
+            return 0  # not measured
+        await asyncio.sleep(load.POLL_S)
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    return int(
+        await conn.fetchval(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+    )
 
 
 async def _disable_outbox(database_url: str) -> None:
@@ -411,9 +455,11 @@ async def _paced_latency(
     count = max(int(paced_rate * plan.paced_s), 20)
     ids = range(plan.messages + 1, plan.messages + 1 + count)
     if plan.subscriptions:
-        await load.add_subscriptions(settings.db.dsn, ids)
+        await load.add_subscriptions(settings.db.dsn, ids, plan.decline_every)
     async with load.AckTimes(nc, cfg.stream, cfg.durable) as acks:
-        sent = await load.publish_paced(js, cfg.subject, ids, paced_rate)
+        sent = await load.publish_paced(
+            js, cfg.subject, ids, paced_rate, decline_every=plan.decline_every
+        )
         await acks.wait_for(sent.keys(), timeout_s=plan.timeout_s)
     latencies = sorted(acks.at[seq] - at for seq, at in sent.items() if seq in acks.at)
     if not latencies:
@@ -558,15 +604,19 @@ async def drain(
         await _provision_paused(js, settings)
         if plan.events != "outbox":
             await _disable_outbox(database_url)
+        backlog = range(1, plan.messages + 1)
         if plan.subscriptions:
             progress(f"adding {plan.messages:,} matching subscriptions")
-            await load.add_subscriptions(database_url, range(1, plan.messages + 1))
+            await load.add_subscriptions(database_url, backlog, plan.decline_every)
         progress(f"publishing {plan.messages:,} messages")
-        await load.publish_backlog(nc, js, cfg.subject, cfg.stream, range(1, plan.messages + 1))
+        await load.publish_backlog(
+            nc, js, cfg.subject, cfg.stream, backlog, decline_every=plan.decline_every
+        )
         result = await _run_consumers(
             stack, http, nc, plan=plan, settings=settings, consumers=consumers, progress=progress
         )
-        result.statuses, result.outbox_rows = await _statuses(database_url)
+        result.declining = load.declining(range(1, result.published + 1), plan.decline_every)
+        result.statuses, result.outbox_rows, result.transactions = await _statuses(database_url)
     finally:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await _delete_streams(nc.jetstream(), cfg)

@@ -1,5 +1,8 @@
 """Load for the cases: due-charge messages, a backlog, a paced stream, and when they are acked.
 
+* `customer_id`: whose card an order charges. With `decline_every = k`, every k-th
+  customer's card is declined (`cus_decline…`: the gateway simulator answers a
+  `generic_decline`, a soft decline, on every try); the throughput case declines 1 in 10.
 * `add_subscriptions`: the active `subscriptions` rows that agree with those messages, for
   the worker with `CHARGE_WORKER_VERIFY_SUBSCRIPTION=match`.
 * `publish_backlog`: core NATS publishes with a flush every batch (the stream captures the
@@ -36,19 +39,35 @@ PERIOD = dt.date(2026, 12, 1)
 AMOUNT_MINOR = 99000
 CURRENCY = "RUB"
 CUSTOMERS = 1000
+DECLINE_PREFIX = "cus_decline_"  # the simulator declines cus_decline… (generic_decline: soft)
 PUBLISH_BATCH = 1000
 POLL_S = 0.05
 
 
-def due_body(order_id: int) -> bytes:
-    """A valid `charge.due/v1` body for an approvable, chargeable customer."""
+def customer_id(order_id: int, decline_every: int = 0) -> str:
+    """The order's customer: one of `CUSTOMERS`; with `decline_every = k`, every k-th of
+    them has a card the gateway simulator declines."""
+    n = order_id % CUSTOMERS
+    if decline_every and n % decline_every == 0:
+        return f"{DECLINE_PREFIX}{n}"
+    return f"cus_bench_{n}"
+
+
+def declining(order_ids: range, decline_every: int) -> int:
+    """How many of `order_ids` charge a customer whose card is declined."""
+    return sum(1 for n in order_ids if customer_id(n, decline_every).startswith(DECLINE_PREFIX))
+
+
+def due_body(order_id: int, decline_every: int = 0) -> bytes:
+    """A valid `charge.due/v1` body, its customer approvable, and chargeable unless it is one
+    of the declining (`customer_id`)."""
     return json.dumps(
         {
             "schema": SCHEMA,
             "order_id": order_id,
             "billing_period": PERIOD.isoformat(),
             "subscription_id": f"sub_{order_id}",
-            "customer_id": f"cus_bench_{order_id % CUSTOMERS}",
+            "customer_id": customer_id(order_id, decline_every),
             "amount_minor": AMOUNT_MINOR,
             "currency": CURRENCY,
             "due_at": "2026-12-01T00:00:00Z",
@@ -57,22 +76,19 @@ def due_body(order_id: int) -> bytes:
     ).encode()
 
 
-async def add_subscriptions(database_url: str, order_ids: range) -> None:
+async def add_subscriptions(database_url: str, order_ids: range, decline_every: int = 0) -> None:
     """An active subscription for each order that agrees with its `due_body`: the same
     subscription, customer, amount and currency, billed monthly from PERIOD (so PERIOD is on
     its schedule). Analyzed afterwards, as a table loaded in bulk should be."""
-    assert order_ids.step == 1, order_ids
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(
             """INSERT INTO subscriptions (subscription_id, order_id, customer_id, amount_minor,
                                           currency, next_billing_date)
-               SELECT 'sub_' || n, n, 'cus_bench_' || (n % $3::bigint), $4::bigint, $5::text,
-                      $6::date
-                 FROM generate_series($1::bigint, $2::bigint) AS n""",
-            order_ids.start,
-            order_ids.stop - 1,
-            CUSTOMERS,
+               SELECT 'sub_' || n, n, customer, $3::bigint, $4::text, $5::date
+                 FROM unnest($1::bigint[], $2::text[]) AS t(n, customer)""",
+            list(order_ids),
+            [customer_id(n, decline_every) for n in order_ids],
             AMOUNT_MINOR,
             CURRENCY,
             PERIOD,
@@ -88,13 +104,20 @@ def msg_id(order_id: int) -> str:
 
 
 async def publish_backlog(
-    nc: Client, js: JetStreamContext, subject: str, stream: str, order_ids: range
+    nc: Client,
+    js: JetStreamContext,
+    subject: str,
+    stream: str,
+    order_ids: range,
+    *,
+    decline_every: int = 0,
 ) -> None:
     """Publish every order's due charge; raise if the stream did not store them all."""
     before = (await js.stream_info(stream)).state.messages
     for start in range(0, len(order_ids), PUBLISH_BATCH):
         for order_id in order_ids[start : start + PUBLISH_BATCH]:
-            await nc.publish(subject, due_body(order_id), headers={"Nats-Msg-Id": msg_id(order_id)})
+            body = due_body(order_id, decline_every)
+            await nc.publish(subject, body, headers={"Nats-Msg-Id": msg_id(order_id)})
         await nc.flush(timeout=30)
     deadline = time.monotonic() + 30.0
     while True:
@@ -188,7 +211,12 @@ class AckTimes:
 
 
 async def publish_paced(
-    js: JetStreamContext, subject: str, order_ids: range, rate_per_s: float
+    js: JetStreamContext,
+    subject: str,
+    order_ids: range,
+    rate_per_s: float,
+    *,
+    decline_every: int = 0,
 ) -> dict[int, float]:
     """Publish at a steady rate (open loop); stream sequence -> wall time just before publish."""
     sent: dict[int, float] = {}
@@ -199,7 +227,9 @@ async def publish_paced(
             await asyncio.sleep(delay)
         at = time.time()
         ack = await js.publish(
-            subject, due_body(order_id), headers={"Nats-Msg-Id": msg_id(order_id)}
+            subject,
+            due_body(order_id, decline_every),
+            headers={"Nats-Msg-Id": msg_id(order_id)},
         )
         sent[ack.seq] = at
     return sent

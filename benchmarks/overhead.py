@@ -24,6 +24,13 @@ minutes: run this on each tree, alternately,
     PYTHONPATH=src:. .venv/bin/python -m benchmarks.overhead
 
 The in-process ratio is not the bench's: both pipelines share one heap and one loop here.
+
+With real I/O, after the timed batches, it counts the statements each pipeline sends
+PostgreSQL per charge (asyncpg's query log on a pool of its own, outside the timed
+batches): a batch of charges that succeed on their first try, then one whose cards are all
+declined (soft: the worker settles them `retry_scheduled`), each with its outcome events'
+relay. The count is exact and does not drift: a change that adds a statement to a charge
+shows as +1.00.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +54,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+from asyncpg.connection import LoggedQuery
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
 from prometheus_client import CollectorRegistry
@@ -91,6 +100,8 @@ class Dependencies:
     transport: httpx.AsyncBaseTransport | None
     write_outcomes: Callable[[range], None] = lambda _orders: None
     postgres_pid: int | None = None
+    # real I/O: pools whose statements are counted, on each pipeline's database
+    count_statements: Callable[[], contextlib.AbstractAsyncContextManager[Counted]] | None = None
 
 
 class Answers(httpx.AsyncBaseTransport):
@@ -202,12 +213,12 @@ class Stream:
         return PubAck(stream="OUTCOMES", seq=self.stored)
 
 
-def message(seq: int, nc: Nowhere) -> Msg:
+def message(seq: int, nc: Nowhere, decline_every: int = 0) -> Msg:
     return Msg(
         nc,  # type: ignore[arg-type]
         subject="charges.due",
         reply=f"$JS.ACK.CHARGES.charges-worker.1.{seq}.{seq}.1796286606794460000.0",
-        data=due_body(seq),
+        data=due_body(seq, decline_every),
         headers={"Nats-Msg-Id": f"charge:{seq}:2026-12-01"},
     )
 
@@ -240,84 +251,140 @@ async def real(stack: Stack, events: bool) -> AsyncIterator[Dependencies]:
     worker_pool = await create_pool(load_settings().db)
     bare_pool = await asyncpg.create_pool(bare_db, max_size=10, reset=keep_session)
     postgres = stack.postgres.proc.pid if stack.postgres and stack.postgres.proc else None
+
+    @contextlib.asynccontextmanager
+    async def counted() -> AsyncIterator[Counted]:
+        statements = Statements()
+        worker = await statements.pool("worker", worker_db)
+        bare = await statements.pool("bare", bare_db)
+        try:
+            yield Counted(statements, worker, bare)
+        finally:
+            await worker.close()
+            await bare.close()
+
     try:
-        yield Dependencies(worker_pool, bare_pool, None, postgres_pid=postgres)
+        yield Dependencies(
+            worker_pool, bare_pool, None, postgres_pid=postgres, count_statements=counted
+        )
     finally:
         await worker_pool.close()
         await bare_pool.close()
         await stack.cleanup_databases()  # servers of your own (NATS_URL, DATABASE_URL)
 
 
+@dataclass
+class Worker:
+    """The worker's parts a delivery and its outcome event go through, on one pool."""
+
+    settings: Settings
+    consumer: Consumer
+    relay: Relay
+    metrics: Metrics
+    gateway: ContractGateway
+    scoring: ScoringClient
+
+    @classmethod
+    def on(
+        cls,
+        pool: Any,
+        settings: Settings,
+        transport: httpx.AsyncBaseTransport | None,
+        stream: Stream,
+    ) -> Worker:
+        # the bench's adapter; its `transport` is the one seam for canned answers
+        gateway = ContractGateway(settings.gateway, transport=transport)
+        scoring = ScoringClient(settings.scoring, transport=transport)
+        metrics = Metrics(CollectorRegistry())
+        failpoints = Failpoints("")
+        pipeline = Pipeline(
+            Ledger(pool, lease_s=settings.worker.lease_s),
+            gateway,
+            scoring,
+            owner="overhead",
+            metrics=metrics,
+            failpoints=failpoints,
+            retry_schedule=settings.retries.retry_schedule,
+        )
+        consumer = Consumer(
+            settings,
+            js=None,  # type: ignore[arg-type]  # never fetches: deliveries are handed to it
+            pipeline=pipeline,
+            dead_letters=None,  # type: ignore[arg-type]  # nothing is dead-lettered
+            gateway=gateway,
+            metrics=metrics,
+            failpoints=failpoints,
+        )
+        outbox = Outbox(
+            pool,
+            hold_s=2 * settings.worker.outbox_publish_timeout_s,
+            retry_max_s=settings.worker.outbox_retry_max_s,
+        )
+        relay = Relay(
+            outbox,
+            stream,  # type: ignore[arg-type]  # publishes only
+            settings.nats,
+            settings.worker,
+            OutboxMetrics(metrics.registry),
+        )
+        return cls(settings, consumer, relay, metrics, gateway, scoring)
+
+    async def handle(self, msgs: list[Msg]) -> None:
+        """The deliveries, `CONCURRENCY` at a time."""
+        for i in range(0, len(msgs), CONCURRENCY):
+            fetched_at = time.monotonic()
+            await asyncio.gather(
+                *(self.consumer._handle(m, fetched_at) for m in msgs[i : i + CONCURRENCY])
+            )
+
+    async def publish_outcomes(self) -> None:
+        """The relay, until it has nothing left."""
+        while await self.relay.relay_once() == self.settings.worker.outbox_batch:
+            pass
+
+    async def aclose(self) -> None:
+        await self.gateway.aclose()
+        await self.scoring.aclose()
+
+
+async def handle_bare(bare: BarePipeline, msgs: list[Msg]) -> None:
+    """The deliveries, `CONCURRENCY` at a time, as `Worker.handle`."""
+    for i in range(0, len(msgs), CONCURRENCY):
+        await asyncio.gather(*(bare.handle(m) for m in msgs[i : i + CONCURRENCY]))
+
+
+async def publish_bare(bare: BarePipeline) -> None:
+    while await bare.publish_outcomes() == bare.config.outbox_batch:
+        pass
+
+
 async def measure(deps: Dependencies, rounds: int, batch: int, *, events: bool) -> None:
     settings = load_settings()
     nowhere = Nowhere()
     stream = Stream()
-    # the bench's adapter; its `transport` is the one seam for canned answers
-    gateway = ContractGateway(settings.gateway, transport=deps.transport)
-    scoring = ScoringClient(settings.scoring, transport=deps.transport)
-    metrics = Metrics(CollectorRegistry())
-    failpoints = Failpoints("")
-    pipeline = Pipeline(
-        Ledger(deps.worker_pool, lease_s=settings.worker.lease_s),
-        gateway,
-        scoring,
-        owner="overhead",
-        metrics=metrics,
-        failpoints=failpoints,
-    )
-    consumer = Consumer(
-        settings,
-        js=None,  # type: ignore[arg-type]  # never fetches: deliveries are handed to it
-        pipeline=pipeline,
-        dead_letters=None,  # type: ignore[arg-type]  # nothing is dead-lettered
-        gateway=gateway,
-        metrics=metrics,
-        failpoints=failpoints,
-    )
-    outbox = Outbox(
-        deps.worker_pool,
-        hold_s=2 * settings.worker.outbox_publish_timeout_s,
-        retry_max_s=settings.worker.outbox_retry_max_s,
-    )
-    relay = Relay(
-        outbox,
-        stream,  # type: ignore[arg-type]  # publishes only
-        settings.nats,
-        settings.worker,
-        OutboxMetrics(metrics.registry),
-    )
+    worker = Worker.on(deps.worker_pool, settings, deps.transport, stream)
+    metrics = worker.metrics
     bare = bare_pipeline(deps, settings, stream, events=events)
     next_seq = 0
 
-    async def publish_outcomes(worker: bool) -> None:
+    async def publish_outcomes(on_worker: bool) -> None:
         """Each pipeline's relay, until it has nothing left of the batch."""
         if not events:
             return
-        if worker:
-            while await relay.relay_once() == settings.worker.outbox_batch:
-                pass
-        else:
-            while await bare.publish_outcomes() == bare.config.outbox_batch:
-                pass
+        await (worker.publish_outcomes() if on_worker else publish_bare(bare))
 
-    async def one_batch(worker: bool) -> tuple[float, float]:
+    async def one_batch(on_worker: bool) -> tuple[float, float]:
         """CPU us per charge of `batch` deliveries, `CONCURRENCY` at a time, and their
         outcome events: this process's, and PostgreSQL's (NaN if not measured)."""
         nonlocal next_seq
         msgs = [message(next_seq + i + 1, nowhere) for i in range(batch)]
-        if worker:
+        if on_worker:
             deps.write_outcomes(range(next_seq + 1, next_seq + batch + 1))
         next_seq += batch
         postgres = _cpu_s(deps.postgres_pid)
         started = time.process_time()
-        for i in range(0, batch, CONCURRENCY):
-            chunk = msgs[i : i + CONCURRENCY]
-            fetched_at = time.monotonic()
-            handled: list[Any] = [
-                consumer._handle(m, fetched_at) if worker else bare.handle(m) for m in chunk
-            ]
-            await asyncio.gather(*handled)
-        await publish_outcomes(worker)
+        await (worker.handle(msgs) if on_worker else handle_bare(bare, msgs))
+        await publish_outcomes(on_worker)
         spent = time.process_time() - started
         return spent / batch * 1e6, (_cpu_s(deps.postgres_pid) - postgres) / batch * 1e6
 
@@ -327,10 +394,108 @@ async def measure(deps: Dependencies, rounds: int, batch: int, *, events: bool) 
     pairs = [(await one_batch(True), await one_batch(False)) for _ in range(rounds)]
     check(metrics, bare, stream, (rounds + WARM_UP_ROUNDS) * batch, events=events)
     report(pairs, deps, batch, events=events)
-    await gateway.aclose()
-    await scoring.aclose()
+    await worker.aclose()
     await bare.scoring.aclose()
     await bare.gateway.aclose()
+    if deps.count_statements is not None:
+        await count_statements(deps, settings, first=next_seq + 1, batch=batch, events=events)
+
+
+class Statements:
+    """Every statement sent on the pools it made, by the SQL's opening words, while
+    `counting` (asyncpg's query log)."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.by_pool: dict[str, Counter[str]] = {}
+
+    async def pool(self, name: str, url: str) -> asyncpg.Pool:
+        """A pool like the worker's (`database.create_pool`) whose statements are counted
+        under `name`."""
+        counts = self.by_pool.setdefault(name, Counter())
+
+        def note(query: LoggedQuery) -> None:
+            if self.counting:
+                counts[" ".join(query.query.split()[:3])] += 1
+
+        async def init(conn: asyncpg.Connection) -> None:
+            conn.add_query_logger(note)
+
+        pool = await asyncpg.create_pool(url, max_size=10, reset=keep_session, init=init)
+        assert pool is not None
+        return pool
+
+    def take(self, name: str) -> Counter[str]:
+        """The counts under `name` so far, which start again from nothing."""
+        taken = Counter(self.by_pool[name])
+        self.by_pool[name].clear()
+        return taken
+
+
+@dataclass
+class Counted:
+    """Pools on the worker's and the bare pipeline's databases, their statements counted."""
+
+    statements: Statements
+    worker: asyncpg.Pool
+    bare: asyncpg.Pool
+
+
+async def count_statements(
+    deps: Dependencies, settings: Settings, *, first: int, batch: int, events: bool
+) -> None:
+    """Print the statements each pipeline sends per charge: a batch charged on its first
+    try, and a batch declined (soft), their outcome events' relay included."""
+    assert deps.count_statements is not None
+    nowhere = Nowhere()
+    lines = []
+    async with deps.count_statements() as counted:
+        worker = Worker.on(counted.worker, settings, None, Stream())
+        bare = bare_pipeline(deps, settings, Stream(), events=events, pool=counted.bare)
+        for label, decline_every in (("charged on try 1", 0), ("declined (soft)", 1)):
+            for counting in (False, True):  # a warm-up first: each connection's type checks
+                msgs = [message(first + i, nowhere, decline_every) for i in range(batch)]
+                orders = range(first, first + batch)
+                first += batch
+                counted.statements.counting = counting
+                await worker.handle(msgs)
+                await handle_bare(bare, msgs)
+                if events:
+                    await worker.publish_outcomes()
+                    await publish_bare(bare)
+                counted.statements.counting = False
+            for name in ("worker", "bare"):
+                pool = counted.worker if name == "worker" else counted.bare
+                rows = await _statuses(pool, orders)
+                taken = counted.statements.take(name)
+                lines.append(_statement_line(f"{label}, {name}", taken, batch, rows))
+        await worker.aclose()
+        await bare.scoring.aclose()
+        await bare.gateway.aclose()
+    print(
+        f"Statements sent to PostgreSQL per charge (a batch of {batch} each; outcome events "
+        f"{'on' if events else 'off'}), by their opening words:"
+    )
+    for line in lines:
+        print(f"  {line}")
+
+
+async def _statuses(pool: asyncpg.Pool, orders: range) -> dict[str, int]:
+    """The ledger's rows of `orders` by status."""
+    rows = await pool.fetch(
+        "SELECT status, count(*) FROM charge_attempts WHERE order_id BETWEEN $1 AND $2 "
+        "GROUP BY status",
+        orders.start,
+        orders.stop - 1,
+    )
+    return {str(row[0]): int(row[1]) for row in rows}
+
+
+def _statement_line(label: str, counts: Counter[str], batch: int, rows: dict[str, int]) -> str:
+    total = sum(counts.values()) / batch
+    each = ", ".join(f"{words}… {n / batch:.3f}" for words, n in counts.most_common())
+    ledger = ", ".join(f"{status} {n}" for status, n in sorted(rows.items()))
+    return f"{label:<30} {total:.3f} ({each}); rows: {ledger}"
 
 
 def check(
@@ -351,9 +516,9 @@ def check(
 
 
 def bare_pipeline(
-    deps: Dependencies, settings: Settings, stream: Stream, *, events: bool
+    deps: Dependencies, settings: Settings, stream: Stream, *, events: bool, pool: Any = None
 ) -> BarePipeline:
-    """The bare pipeline on `deps`, its events published to `stream`."""
+    """The bare pipeline on `deps` (or on `pool`), its events published to `stream`."""
     gateway_url, scoring_url = settings.gateway.url or "", settings.scoring.url or ""
     api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else ""
     config = BareConfig(
@@ -377,7 +542,7 @@ def bare_pipeline(
     )
     return BarePipeline(
         config,
-        deps.bare_pool,
+        deps.bare_pool if pool is None else pool,
         build_client(scoring_url, timeout_s=5, max_connections=100, transport=deps.transport),
         build_client(
             gateway_url,

@@ -300,6 +300,7 @@ async def _main(args: argparse.Namespace, stack: Stack, log_dir: Path, t0: float
     lines = [
         *report.table(results),
         *report.cpu_split(results),
+        *report.ledger_lines(results),
         *report.check_lines(results),
         *report.ratio_lines(found),
         *(results.month_start.lines() if results.month_start else []),

@@ -1,18 +1,22 @@
 """Cases 1 and 2: the bare pipeline (the ceiling) and the worker, zero-latency simulators.
 
-Both drain the same number of messages with the same concurrency, pool size and HTTP
-client stack; their samples alternate (bare, worker, bare, worker, ...) so drift of the
-machine falls on both alike. After each worker sample a paced phase publishes at half the
-rate just measured and takes publish-to-ack latencies (`drain.py`, `load.py`).
+Both drain the same number of messages with the same concurrency, pool size and HTTP client
+stack; their samples alternate (bare, worker, bare, worker, ...) so drift of the machine
+falls on both alike. In every sample of these cases 1 in 10 customers' cards is declined
+(`DECLINE_EVERY`: a `generic_decline`, soft): the worker settles those `retry_scheduled`
+(its default retry schedule) and emits `charge.retry_scheduled`; the bare pipeline, which
+has no retries, marks them `declined` and publishes `charge.declined`. After each worker
+sample a paced phase publishes at half the rate just measured and takes publish-to-ack
+latencies (`drain.py`, `load.py`).
 
 Case 2b, `verified_sample`: the worker with the subscription check on
 (`CHARGE_WORKER_VERIFY_SUBSCRIPTION=match`), after each worker sample. The bench publishes
 due charges straight to the stream, with no ledger row (no producer ran), so every claim
 takes the check's path: the claim's INSERT carries the EXISTS on `subscriptions`. The
-sample's database gets an active subscription agreeing with each message first, so every
-one is verified and charged (a refused one would be dead-lettered, and the sample's checks
-would say so). No paced phase: it measures throughput and CPU only, against the same bare
-samples as case 2.
+sample's database gets an active subscription agreeing with each message first (its customer
+too, declining or not), so every one is verified and sent to the gateway (a refused one
+would be dead-lettered, and the sample's checks would say so). No paced phase: it measures
+throughput and CPU only, against the same bare samples as case 2.
 
 Case 2c, `no_outbox_sample`: the worker on a ledger whose outbox triggers are disabled, right
 after each worker sample: no event row is written, and the worker's relay finds nothing to
@@ -33,6 +37,7 @@ from charge_worker.settings import Settings
 
 ZERO = LatencyModel.fixed(0.0)
 PACED_FRACTION = 0.5
+DECLINE_EVERY = 10  # 1 in 10 customers' cards declined: 10 % soft declines
 
 
 def bare_consumer(bench: Bench, settings: Settings, name: str) -> ChildConsumer:
@@ -84,6 +89,7 @@ def zero_latency_plan(
         paced_s=bench.sizes.paced_s,
         subscriptions=subscriptions,
         events=events,
+        decline_every=DECLINE_EVERY,
     )
 
 

@@ -8,9 +8,17 @@ import random
 
 import pytest
 from benchmarks.drain import Drained, Events
-from benchmarks.load import parse_timestamp
+from benchmarks.load import customer_id, declining, due_body, parse_timestamp
 from benchmarks.memory import plan_size
-from benchmarks.report import Results, anomalies, cpu_split, outbox_cost, ratios, table
+from benchmarks.report import (
+    Results,
+    anomalies,
+    cpu_split,
+    ledger_lines,
+    outbox_cost,
+    ratios,
+    table,
+)
 from benchmarks.stats import (
     Summary,
     Target,
@@ -28,6 +36,8 @@ from benchmarks.stats import (
     steady_rate,
 )
 
+from charge_worker.declines import GENERIC_DECLINE, decline_class
+from charge_worker.sandbox.gateway.cards import decline_code
 from charge_worker.sandbox.latency import LatencyModel
 
 
@@ -184,8 +194,13 @@ def _drained(
     events: Events = "outbox",
     outcomes: int | None = None,
     outbox_rows: int | None = None,
+    statuses: dict[str, int] | None = None,
+    declined: int = 0,
 ) -> Drained:
-    """A clean sample of 100 charges: one outcome event each, as `events` makes them."""
+    """A clean sample of 100 charges: one outcome event each, as `events` makes them; of
+    them `declined` declined and settled as the pipeline settles a soft decline."""
+    soft = "declined" if events == "direct" else "retry_scheduled"
+    clean = {"succeeded": 100 - declined} | ({soft: declined} if declined else {})
     return Drained(
         messages=100,
         acked=100,
@@ -194,7 +209,9 @@ def _drained(
         cpu_s={"consumer": consumer_s, "postgres": postgres_s},
         peak_rss=[1],
         rss=[1],
-        statuses={"succeeded": 100},
+        statuses=clean if statuses is None else statuses,
+        declining=declined,
+        transactions=210,
         events=events,
         outcomes=(0 if events == "none" else 100) if outcomes is None else outcomes,
         outbox_rows=(100 if events == "outbox" else 0) if outbox_rows is None else outbox_rows,
@@ -272,3 +289,59 @@ def test_a_sample_is_checked_for_one_outcome_event_per_charge(
 ) -> None:
     sample = _drained(1.0, 0.1, 0.05, events=events, outcomes=outcomes, outbox_rows=outbox_rows)
     assert anomalies(Results(concurrency=16, worker=[sample])) == [f"worker 1: {problem}"]
+
+
+def test_one_customer_in_ten_has_a_card_the_simulator_declines_soft() -> None:
+    customers = {customer_id(n, 10) for n in range(1, 10_001)}
+    declined = {c for c in customers if decline_code(c) is not None}
+    assert len(customers) == 1000
+    assert len(declined) == 100
+    assert {decline_code(c) for c in declined} == {GENERIC_DECLINE}
+    assert decline_class(GENERIC_DECLINE) == "soft"
+    assert declining(range(1, 10_001), 10) == 1000
+    assert declining(range(1, 10_001), 0) == 0
+    assert all(decline_code(customer_id(n)) is None for n in range(1, 1001))
+    assert b'"customer_id":"cus_decline_10"' in due_body(10, 10)
+    assert b'"customer_id":"cus_bench_10"' in due_body(10)
+
+
+@pytest.mark.parametrize(
+    ("events", "statuses", "problem"),
+    [
+        ("outbox", {"succeeded": 90, "retry_scheduled": 10}, None),
+        ("direct", {"succeeded": 90, "declined": 10}, None),  # the bare pipeline: no retries
+        ("none", {"succeeded": 90, "retry_scheduled": 10}, None),
+        (
+            "outbox",
+            {"succeeded": 90, "declined": 10},  # the worker ended a soft decline's period
+            "ledger {'succeeded': 90, 'declined': 10}, expected "
+            "{'succeeded': 90, 'retry_scheduled': 10}",
+        ),
+        (
+            "outbox",
+            {"succeeded": 100},  # a declining card was charged
+            "ledger {'succeeded': 100}, expected {'succeeded': 90, 'retry_scheduled': 10}",
+        ),
+    ],
+)
+def test_a_sample_with_declines_is_checked_for_its_rows_by_status(
+    events: Events, statuses: dict[str, int], problem: str | None
+) -> None:
+    sample = _drained(1.0, 0.1, 0.05, events=events, statuses=statuses, declined=10)
+    found = anomalies(Results(concurrency=16, worker=[sample]))
+    assert found == ([] if problem is None else [f"worker 1: {problem}"])
+
+
+def test_the_ledger_lines_give_rows_by_status_and_transactions_per_message() -> None:
+    results = Results(
+        concurrency=16,
+        bare=[_drained(1.0, 0.1, 0.05, events="direct", declined=10)],
+        worker=[_drained(1.2, 0.12, 0.06, declined=10)],
+    )
+    lines = ledger_lines(results)
+    bare = next(line for line in lines if line.strip().startswith("bare"))
+    worker = next(line for line in lines if line.strip().startswith("worker"))
+    assert "2.100" in bare  # 210 transactions for 100 messages
+    assert "declined 10, succeeded 90" in bare
+    assert "retry_scheduled 10, succeeded 90" in worker
+    assert ledger_lines(Results(concurrency=16)) == []
