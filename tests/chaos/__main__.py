@@ -27,7 +27,14 @@ from tests.chaos.cluster import ServerPool
 from tests.chaos.run import Result, run_scenario
 from tests.chaos.scenarios import BY_NAME, CLUSTER_SCENARIOS, COMBINED, FULL_ONLY, SCENARIOS
 
-GOOD = ("charged_once", "declined", "blocked", "blocked_post_hoc", "dead_lettered")
+GOOD = (
+    "charged_once",
+    "declined",
+    "action_required",
+    "blocked",
+    "blocked_post_hoc",
+    "dead_lettered",
+)
 COLUMNS = (
     ("scenario", 24),
     ("keys", 6),

@@ -1,12 +1,19 @@
 """Judge a quiet system the way an auditor would: count the money at the gateway.
 
 Every manifest key gets exactly one outcome. Good ones: `charged_once`, `declined`,
-`blocked`, `blocked_post_hoc` (scoring was down, the charge went through, the deferred check
-flagged it for review: the designed degradation) and `dead_lettered` (poison, with the
-right reason). Everything in `FATAL` fails the run. Charges are counted per
-`(order_id, billing_period)` from the charge's metadata, whatever idempotency key it came
-with, and a refunded charge still counts: a refund repairs a double charge, it does not
-undo it.
+`action_required`, `blocked`, `blocked_post_hoc` (scoring was down, the charge went through,
+the deferred check flagged it for review: the designed degradation) and `dead_lettered`
+(poison, with the right reason). Everything in `FATAL` fails the run. Charges are counted
+per period, `(order_id, billing_period)`, from the charge's metadata, whatever try and
+idempotency key it came with, and a refunded charge still counts: a refund repairs a double
+charge, it does not undo it.
+
+Tries (docs/decisions/0007-retries.md), counted at the gateway from each charge's
+`metadata.attempt`: a period ends on the try its entry says (charged on it, or declined on
+its last), with a gateway charge for each try up to it and none after; no period is tried
+more often than the schedule and the 30-day cap allow (`tried_beyond_schedule`); a try
+declined hard or for the customer to act is sent once and followed by no other
+(`final_decline_sent_again`), whatever the manifest expected.
 
 Every scenario also judges the outcome events (`outcome_events.py`): the `CHARGE_OUTCOMES`
 stream, read as a downstream consumer once the outbox drained, must agree with the ledger
@@ -30,6 +37,7 @@ import httpx
 import nats.js.errors
 from nats.aio.client import Client
 
+from charge_worker.declines import decline_class
 from charge_worker.settings import NatsSettings
 from tests.chaos import outcome_events
 from tests.chaos.generator import Entry
@@ -46,6 +54,9 @@ FATAL = frozenset(
         "key_param_mismatch",
         "conflict_escaped",
         "wrong_charge_recorded",
+        "wrong_try",
+        "tried_beyond_schedule",
+        "final_decline_sent_again",
         *outcome_events.FATAL,
     }
 )
@@ -55,6 +66,7 @@ CONFLICT_REPORTED = "conflict_reported"  # likewise
 _ORDER_ID = re.compile(rb'"order_id":\s*(\d{1,19})[,}]')
 _PERIOD = re.compile(rb'"billing_period":\s*"(\d{4}-\d{2}-\d{2})"')
 T = TypeVar("T")
+Row = Any  # a ledger row (an asyncpg.Record, or a dict in the checker's tests) read by column
 
 
 @dataclass(frozen=True)
@@ -68,8 +80,8 @@ class Letter:
 class Facts:
     """Everything the checker reads, gathered once after the system went quiet."""
 
-    charges: dict[str, list[dict[str, Any]]]  # gateway charges by metadata key
-    rows: dict[str, asyncpg.Record]
+    charges: dict[str, list[dict[str, Any]]]  # gateway charges by metadata period
+    rows: dict[str, asyncpg.Record]  # ledger rows by period (`order_id:billing_period`)
     letters: list[Letter]
     deliveries: Counter[str]
     redeliveries: int
@@ -107,9 +119,11 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
         rows = {
             r["key"]: r
             for r in await conn.fetch(
-                """SELECT a.idempotency_key AS key, a.status, a.amount_minor, a.customer_id,
+                """SELECT a.order_id::text || ':' || to_char(a.billing_period, 'YYYY-MM-DD')
+                          AS key, a.idempotency_key, a.status, a.amount_minor, a.customer_id,
                           a.gateway_calls, a.gateway_charge_id, a.review_reason,
-                          a.outcome_seq, a.updated_at, d.status AS deferred
+                          a.outcome_seq, a.updated_at, a.current_try, a.decline_code,
+                          a.decline_class, d.status AS deferred
                      FROM charge_attempts a
                 LEFT JOIN deferred_scoring_checks d USING (order_id, billing_period)"""
             )
@@ -234,9 +248,11 @@ def judge(
     *,
     ledger_forgets: bool = False,
     doubles_possible: bool = False,
+    tries_allowed: int = 1,
 ) -> Verdict:
-    """Every key's outcome. `ledger_forgets` (a failover lost acknowledged commits): a
-    conflicting copy that found no row to conflict with and was refused by the gateway
+    """Every key's outcome. `tries_allowed`: the most tries a period may have (the first,
+    the schedule's, within the 30-day cap). `ledger_forgets` (a failover lost acknowledged
+    commits): a conflicting copy that found no row to conflict with and was refused by the gateway
     (`key_reused`, dead-lettered `rejected`) while the key was charged once, right, is
     `conflict_reported` (reconcile reports the ledger's mismatch for a person); and, with
     `doubles_possible` too (a gateway without idempotency), a key charged twice whose extra
@@ -262,11 +278,16 @@ def judge(
             letters_by_key[entry.key],
             ledger_forgets=ledger_forgets,
             doubles_possible=ledger_forgets and doubles_possible,
+            tries_allowed=tries_allowed,
         )
         verdict.add(entry.key, outcome, detail)
     for key, charges in facts.charges.items():
-        if key not in known and any(_made(c) for c in charges):
+        if key in known:
+            continue
+        if any(_made(c) for c in charges):
             verdict.add(key, "unexpected", f"{len(charges)} gateway charge(s) for no manifest key")
+        elif tried := _tries_violation(charges, facts.rows.get(key), tries_allowed):
+            verdict.add(key, *tried)
     held = {
         key: [c["id"] for c in charges if _captured(c)] for key, charges in facts.charges.items()
     }
@@ -293,6 +314,10 @@ def judge(
         "outcome_events": len(facts.events),
         "outcome_events_unsent": sum(facts.unsent.values()),
         "events_of_lost_commits": verdict.outcomes[outcome_events.LOST_COMMIT],
+        # gateway charges by the try they were sent as: {1: n, 2: n, ...}
+        "gateway_charges_by_try": dict(
+            sorted(Counter(_try(c) for cs in facts.charges.values() for c in cs).items())
+        ),
     }
     return verdict
 
@@ -301,8 +326,11 @@ def judge(
 SETTLED = {
     "charged_once": (True, "succeeded"),
     "declined": (False, "declined"),
+    "action_required": (False, "action_required"),
     "blocked": (False, "blocked"),
 }
+SENT = frozenset({"charged_once", "declined", "action_required"})  # reach the gateway
+FINAL_CLASSES = frozenset({"hard", "customer_action"})  # never sent again automatically
 
 
 def _made(charge: dict[str, Any]) -> bool:
@@ -315,6 +343,24 @@ def _captured(charge: dict[str, Any]) -> bool:
     return _made(charge) and charge["amount"] - charge.get("amount_refunded", 0) > 0
 
 
+def _try(charge: dict[str, Any]) -> int:
+    """The try a gateway charge was sent as: its `metadata.attempt` (absent: the first)."""
+    attempt = (charge.get("metadata") or {}).get("attempt", "1")
+    return int(attempt) if str(attempt).isdigit() else 0
+
+
+def _try_key(key: str, attempt: int) -> str:
+    """The idempotency key of the period's try `attempt` (`o:p`, then `o:p:n`)."""
+    return key if attempt == 1 else f"{key}:{attempt}"
+
+
+def _decline_class(charge: dict[str, Any]) -> str | None:
+    """A failed charge's decline class, by the product's one table; None: not failed."""
+    if charge["status"] != "failed":
+        return None
+    return decline_class(charge.get("decline_code"))
+
+
 def _valid(
     entry: Entry,
     facts: Facts,
@@ -322,21 +368,24 @@ def _valid(
     *,
     ledger_forgets: bool,
     doubles_possible: bool,
+    tries_allowed: int = 1,
 ) -> tuple[str, str]:
     charges = facts.charges.get(entry.key, [])
     effective = [c for c in charges if _made(c)]
     held = [c for c in effective if _captured(c)] if doubles_possible else effective
     if ledger_forgets and _conflict_refused(entry, held, letters):
         return CONFLICT_REPORTED, "the gateway refused the conflicting copy: key_reused"
-    if violation := _violation(entry, charges, held, letters):
-        return violation
     row = facts.rows.get(entry.key)
+    if violation := _violation(entry, charges, held, letters) or _tries_violation(
+        charges, row, tries_allowed
+    ):
+        return violation
     status = row["status"] if row else None
     charged = len(held) == 1
     if SETTLED[entry.expect] == (charged, status):
         assert row is not None
-        if charged and row["gateway_charge_id"] != held[0]["id"]:
-            return "wrong_charge_recorded", f"ledger {row['gateway_charge_id']}, {_listed(held)}"
+        if wrong := _wrong_settlement(entry, charges, held, row):
+            return wrong
         repaired = entry.expect == "charged_once" and len(effective) > 1
         return (REPAIRED_DOUBLE, _listed(effective)) if repaired else (entry.expect, "")
     if (
@@ -362,7 +411,7 @@ def _violation(
     amounts = {entry.amount, entry.conflict_amount} - {None}
     for charge in charges:
         if (
-            charge.get("idempotency_key") != entry.key
+            charge.get("idempotency_key") != _try_key(entry.key, _try(charge))
             or charge.get("customer") != entry.customer
             or charge.get("amount") not in amounts
         ):
@@ -371,6 +420,52 @@ def _violation(
         return "valid_message_dead_lettered", f"Dlq-Reason {stray}"
     if entry.conflict_amount is not None and not letters:
         return "conflict_escaped", "the conflicting copy was not dead-lettered `conflict`"
+    return None
+
+
+def _tries_violation(
+    charges: list[dict[str, Any]], row: Row | None, tries_allowed: int
+) -> tuple[str, str] | None:
+    """A fatal outcome of the period's tries, whatever the key was meant to become: more
+    tries than allowed (at the gateway or in the ledger), or a try after one declined hard
+    or for the customer to act, or that try sent twice."""
+    tries = sorted(_try(c) for c in charges)
+    ledger_try = row["current_try"] if row is not None else 1
+    if max([*tries, ledger_try]) > tries_allowed or min(tries, default=1) < 1:
+        return "tried_beyond_schedule", (
+            f"tries {tries} at the gateway, the ledger's {ledger_try}: {tries_allowed} allowed"
+        )
+    for charge in charges:
+        if _decline_class(charge) in FINAL_CLASSES:
+            n = _try(charge)
+            if again := [c for c in charges if _try(c) > n or (_try(c) == n and c is not charge)]:
+                code = charge.get("decline_code")
+                return "final_decline_sent_again", (
+                    f"try {n} declined {code} ({charge['id']}), then {_listed(again)} "
+                    f"as tries {[_try(c) for c in again]}"
+                )
+    return None
+
+
+def _wrong_settlement(
+    entry: Entry, charges: list[dict[str, Any]], held: list[dict[str, Any]], row: Row
+) -> tuple[str, str] | None:
+    """A key settled as expected, but not right: its row names another charge than the one
+    holding the money, or the period did not end on the try its entry says (charged on it,
+    or declined on it) with a gateway charge for each try up to it."""
+    if held and row["gateway_charge_id"] != held[0]["id"]:
+        return "wrong_charge_recorded", f"ledger {row['gateway_charge_id']}, {_listed(held)}"
+    if entry.expect not in SENT:
+        return None
+    sent = sorted({_try(c) for c in charges})
+    if row["current_try"] != entry.tries or sent != list(range(1, entry.tries + 1)):
+        return "wrong_try", (
+            f"ends on try {row['current_try']}, tries {sent} at the gateway: {entry.tries} due"
+        )
+    if held and _try(held[0]) != entry.tries:
+        return "wrong_try", (
+            f"charged on try {_try(held[0])} ({held[0]['id']}), due on try {entry.tries}"
+        )
     return None
 
 

@@ -8,6 +8,14 @@ JetStream), the same key under a new `Nats-Msg-Id` (absorbed by the claim), conf
 duplicates (same key, another amount: dead-lettered `conflict`) and poison (dead-lettered
 `poison`). Customer ids pick the outcome: `cus_decline…` is declined by the gateway,
 `cus_block…` blocked by scoring.
+
+With a retry schedule (the `retries_*` scenarios) the declines are the retries family's
+(the simulator's customers, `sandbox/gateway/cards.py`): `cus_soft<k>_…` is declined
+`insufficient_funds` until try `k` and charged on it (`k` within the schedule),
+`cus_soft_…` on every try (exhausted: final `declined` on the last try),
+`cus_code_stolen_card_…` hard (final `declined`, never sent again), `cus_code_expired_card_…`
+and `cus_auth_…` the customer's to fix (`action_required`, never sent again by itself).
+Each entry says the try its period ends on (`tries`).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from charge_worker.messages import ChargeDue
 
 PERIOD = dt.date(2026, 12, 1)
 FIRST_ORDER = 700_000
-Expect = Literal["charged_once", "declined", "blocked", "dead_lettered"]
+Expect = Literal["charged_once", "declined", "action_required", "blocked", "dead_lettered"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class Entry:
     conflict_amount: int | None = None  # a conflicting copy was published with this amount
     same_msg_id_copies: int = 0
     new_msg_id_copies: int = 0
+    # the try the period ends on: charged on it, or its last one declined (1: the first)
+    tries: int = 1
 
     def body(self) -> bytes:
         if self.poison is not None:
@@ -103,10 +113,16 @@ def _poison(index: int, rng: random.Random) -> str:
 
 
 def plan(
-    seed: int, size: int, *, poison_share: float = 0.03, conflicts: bool = True
+    seed: int,
+    size: int,
+    *,
+    poison_share: float = 0.03,
+    conflicts: bool = True,
+    retry_schedule: tuple[float, ...] = (),
 ) -> list[Entry]:
     """`size` keys: mostly charges, some declines, blocks, poison; extra copies of some
-    (conflicting ones too, unless `conflicts` is False)."""
+    (conflicting ones too, unless `conflicts` is False). With a `retry_schedule`, the
+    declines are the retries family's (`_retried`), and half the keys are declined."""
     rng = random.Random(seed)
     entries: list[Entry] = []
     for index in range(size):
@@ -120,14 +136,18 @@ def plan(
                 )
             )
             continue
-        if draw < poison_share + 0.06:
-            kind: Expect = "declined"
-            customer = f"cus_decline_{index}"
+        tries = 1
+        if retry_schedule:
+            kind, customer, tries = _retried(index, draw - poison_share, rng, retry_schedule)
+        elif draw < poison_share + 0.06:
+            kind, customer = "declined", f"cus_decline_{index}"
         elif draw < poison_share + 0.12:
             kind, customer = "blocked", f"cus_block_{index}"
         else:
             kind, customer = "charged_once", f"cus_ok_{index}"
         extra = rng.random()
+        # a conflicting copy of try 1 must meet try 1's row: only a period charged on it
+        first_try_charge = kind == "charged_once" and tries == 1
         entries.append(
             Entry(
                 f"{order_id}:{PERIOD.isoformat()}",
@@ -136,13 +156,37 @@ def plan(
                 customer=customer,
                 amount=amount,
                 conflict_amount=(
-                    amount + 1 if conflicts and kind == "charged_once" and extra < 0.02 else None
+                    amount + 1 if conflicts and first_try_charge and extra < 0.02 else None
                 ),
                 same_msg_id_copies=1 if 0.02 <= extra < 0.07 else 0,
                 new_msg_id_copies=1 if 0.07 <= extra < 0.12 else 0,
+                tries=tries,
             )
         )
     return entries
+
+
+# the retries family's shares of the valid keys: (up to this draw, expected, customer)
+_RETRIED: tuple[tuple[float, Expect, str], ...] = (
+    (0.25, "charged_once", "cus_soft{k}_{index}"),  # charged on a later try, k of the schedule
+    (0.35, "declined", "cus_soft_{index}"),  # soft on every try: the schedule runs out
+    (0.43, "declined", "cus_code_stolen_card_{index}"),  # hard: never sent again
+    (0.47, "action_required", "cus_code_expired_card_{index}"),
+    (0.51, "action_required", "cus_auth_{index}"),
+    (0.54, "blocked", "cus_block_{index}"),
+    (1.00, "charged_once", "cus_ok_{index}"),
+)
+
+
+def _retried(
+    index: int, draw: float, rng: random.Random, schedule: tuple[float, ...]
+) -> tuple[Expect, str, int]:
+    """A key of the retries family: (what it becomes, its customer, the try it ends on)."""
+    last = 1 + len(schedule)
+    kind, customer = next((kind, c) for upto, kind, c in _RETRIED if draw < upto)
+    k = rng.randint(2, last) if "{k}" in customer else 1
+    tries = last if customer.startswith("cus_soft_") else k
+    return kind, customer.format(k=k, index=index), tries
 
 
 def write_manifest(path: Path, entries: Iterable[Entry]) -> None:

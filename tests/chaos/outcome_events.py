@@ -8,6 +8,9 @@ beyond; the last one's type the row's status (a dispute or a late verdict, `char
 with `review: true`, may follow the charge on a charged row); every charge that still holds
 money at the gateway announced by a `charge.succeeded` naming it; no terminal event after
 the last change of a row that is not final; no event for a key the ledger has no row for.
+Tries (`attempt`): never lower than an earlier sequence's, the last one's the row's
+`current_try`, and one `charge.retry_scheduled` for each try before it (each was declined
+soft, then the next one started).
 
 Where the ledger forgets (a failover lost acknowledged commits) the relay may have
 published an event whose change was lost: an event beyond `outcome_seq`, without a row, or
@@ -38,8 +41,10 @@ WITHOUT_ROW = "outcome_without_row"
 WRONG_LAST = "outcome_wrong_last"
 CHARGE_UNANNOUNCED = "outcome_charge_unannounced"
 AFTER_OPEN = "outcome_after_open"
+WRONG_TRY = "outcome_wrong_try"
 FATAL = frozenset(
     {
+        WRONG_TRY,
         DUPLICATE,
         OUT_OF_ORDER,
         MISSING,
@@ -62,6 +67,7 @@ TERMINAL = frozenset(
 )
 CHARGED = frozenset({"succeeded", "refunded"})
 SUCCEEDED = "charge.succeeded"
+RETRY_SCHEDULED = "charge.retry_scheduled"
 
 Violation = tuple[str, str, str]  # key, outcome, detail
 Row = Any  # a ledger row (an asyncpg.Record, or a dict in the checker's tests) read by column
@@ -118,6 +124,12 @@ def _key(
         yield MISSING, f"sequences {missing} of 1..{last_seq} not in the stream"
     if beyond := sorted({s for s in sequences if not 1 <= s <= last_seq}):
         yield WITHOUT_CHANGE, f"sequences {beyond} beyond the ledger's outcome_seq {last_seq}"
+    yield from _against_status(events, row)
+
+
+def _against_status(events: list[Outcome], row: Row) -> Iterable[tuple[str, str]]:
+    """The events against the row's state: none terminal after an open row's last change;
+    a settled row's last event its status, and its tries (`_tries`)."""
     status = row["status"]
     if status in OPEN:
         since = row["updated_at"]
@@ -127,6 +139,24 @@ def _key(
         yield MISSING, f"the row is {status}, the stream has no event"
     elif not _agrees(status, last := max(events, key=_sequence)):
         yield WRONG_LAST, f"the row is {status}, the last event {_types([last])}"
+    else:
+        yield from _tries(events, row["current_try"], status)
+
+
+def _tries(events: list[Outcome], current_try: int, status: str) -> Iterable[tuple[str, str]]:
+    """A settled row's events by try: in sequence order the try never goes back, the last
+    event is of the row's current try, and each earlier try made one retry_scheduled (the
+    current one too, while the row waits for the next)."""
+    ordered = sorted(events, key=_sequence)
+    tries = [_attempt(e) for e in ordered]
+    scheduled = sorted(_attempt(e) for e in ordered if _type(e) == RETRY_SCHEDULED)
+    waiting = status == "retry_scheduled"
+    if (
+        any(b < a for a, b in itertools.pairwise(tries))
+        or tries[-1] != current_try
+        or scheduled != list(range(1, current_try + waiting))
+    ):
+        yield WRONG_TRY, f"events {_types(ordered)} of tries {tries}: the row is on {current_try}"
 
 
 def _form(key: str, events: list[Outcome]) -> Iterable[tuple[str, str]]:
@@ -156,6 +186,11 @@ def _type(event: Outcome) -> str:
 def _sequence(event: Outcome) -> int:
     sequence = event.body.get("sequence")
     return sequence if isinstance(sequence, int) else 0
+
+
+def _attempt(event: Outcome) -> int:
+    attempt = event.body.get("attempt", 1)
+    return attempt if isinstance(attempt, int) else 0
 
 
 def _event_id(event: Outcome) -> str:

@@ -30,6 +30,7 @@ EXPLAIN_AT_MOST = 5
 MIN_ATTACKS = 2  # the fault phase lasts until every nemesis struck this often
 RECONCILE_EVERY_S = 5.0
 PRODUCE_WITHIN_S = 600.0  # the producer's runs may fail (faults) for this long in all
+PRODUCE_EVERY_S = (0.5, 1.0)  # a scenario's `producers` run again after this long
 
 
 class NotQuiet(AssertionError):
@@ -93,7 +94,11 @@ async def run_scenario(
 ) -> Result:
     chronicle = Chronicle()
     entries = generator.plan(
-        seed, size, poison_share=scenario.poison_share, conflicts=scenario.conflicts
+        seed,
+        size,
+        poison_share=scenario.poison_share,
+        conflicts=scenario.conflicts,
+        retry_schedule=scenario.retry_schedule,
     )
     root.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240  # once, before anything runs
     generator.write_manifest(root / "manifest.jsonl", entries)
@@ -125,8 +130,10 @@ async def _attack_and_judge(
     chronicle = system.chronicle
     await generator.load_subscriptions(system.database_url, entries)
     stop_faults, stop_supervisor = asyncio.Event(), asyncio.Event()
+    stop_producers = asyncio.Event()
     rng = random.Random(seed)
     tasks: list[asyncio.Task[None]] = []
+    producing: asyncio.Task[None] | None = None
     if scenario.purge_fraction:
         await _produce(system)
         await _purge(system, nc, scenario.purge_fraction, rng)
@@ -142,6 +149,10 @@ async def _attack_and_judge(
     try:
         if not scenario.purge_fraction:
             await _produce(system)
+        # from now on the scenario's producers start due tries and publish them, until quiet
+        producing = asyncio.create_task(
+            _producers(system, scenario.producers, random.Random(seed), stop_producers)
+        )
         extras = generator.extras(entries)
         await generator.publish_all(nc.jetstream(), system.settings.nats.subject, extras)
         chronicle("harness", f"published {len(extras)} direct copies and poison")
@@ -168,14 +179,19 @@ async def _attack_and_judge(
             chronicle("harness", f"the outbox did not drain in {checker.OUTBOX_DRAIN_S:g}s")
     finally:
         stop_faults.set()
+        stop_producers.set()
+        await asyncio.gather(*([producing] if producing else []), return_exceptions=True)
         stop_supervisor.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     facts = await checker.gather(system.gateway.url, system.database_url, nc, system.direct_nats)
+    retries = system.settings.retries
     verdict = checker.judge(
         entries,
         facts,
         ledger_forgets=scenario.ledger_forgets,
         doubles_possible=scenario.gateway.get("idempotency_enabled", True) is False,
+        # every try of a run starts within 30 days: the cap bounds them all
+        tries_allowed=min(1 + len(retries.retry_schedule), retries.retry_cap_30d),
     )
     timings = {
         "worker_restarts": system.restarts,
@@ -214,6 +230,34 @@ async def _produce(system: Cluster) -> None:
         await asyncio.sleep(1.0)
 
 
+async def _producers(system: Cluster, count: int, rng: random.Random, stop: asyncio.Event) -> None:
+    """`count` runs of `charge-worker produce` at once, again every 0.5-1 s until `stop`:
+    each starts the tries that came due and publishes them (nothing else is due after the
+    first run). Their figures go to the chronicle's: runs, failed runs, tries started."""
+    figures = system.chronicle.figures
+    while count and not stop.is_set():
+        runs = await asyncio.gather(
+            *(
+                system.command("produce", "--date", generator.PERIOD.isoformat(), "--json")
+                for _ in range(count)
+            )
+        )
+        for done in runs:
+            figures["produce_runs"] = figures.get("produce_runs", 0) + 1
+            try:
+                started = int(json.loads(done.stdout)["tries_started"])
+            except (ValueError, KeyError, TypeError):
+                started = 0
+            figures["tries_started"] = figures.get("tries_started", 0) + started
+            if done.returncode != 0:
+                figures["produce_failed"] = figures.get("produce_failed", 0) + 1
+                system.chronicle("producer", f"exit {done.returncode}: {_summary(done)}")
+            elif started:
+                system.chronicle("producer", f"started {started} tries")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), rng.uniform(*PRODUCE_EVERY_S))
+
+
 async def _purge(system: Cluster, nc: Client, fraction: float, rng: random.Random) -> None:
     """A broker that lost acknowledged messages: delete some before any worker saw them."""
     js = nc.jetstream()
@@ -226,8 +270,8 @@ async def _purge(system: Cluster, nc: Client, fraction: float, rng: random.Rando
 
 
 async def _open_work(system: Cluster, nc: Client) -> dict[str, int]:
-    """What is not done yet: messages pending or unacked, open ledger rows, deferred checks,
-    outcome events not in their stream yet.
+    """What is not done yet: messages pending or unacked, open ledger rows, periods whose
+    next try is to come, deferred checks, outcome events not in their stream yet.
 
     Empty when the system is quiet."""
     cfg = system.settings.nats
@@ -237,6 +281,8 @@ async def _open_work(system: Cluster, nc: Client) -> dict[str, int]:
         row = await conn.fetchrow(
             """SELECT (SELECT count(*) FROM charge_attempts
                         WHERE status IN ('scheduled', 'pending')) AS open_rows,
+                      (SELECT count(*) FROM charge_attempts
+                        WHERE status = 'retry_scheduled') AS tries_to_come,
                       (SELECT count(*) FROM deferred_scoring_checks
                         WHERE status = 'pending') AS deferred_checks,
                       (SELECT count(*) FROM charge_outcomes

@@ -47,10 +47,20 @@ class Scenario:
     # tell which amount was right (reconcile reports it): a limit, stated in
     # docs/reliability.md, not what a failover scenario measures
     conflicts: bool = True
+    # `charge-worker produce` runs this many at once, again every 0.5-1 s from the first
+    # run until quiet (0: once, as the daily CronJob), starting the due tries and
+    # publishing them
+    producers: int = 0
 
     @property
     def failpoints(self) -> str:
         return str(self.settings.get("failpoints", ""))
+
+    @property
+    def retry_schedule(self) -> tuple[float, ...]:
+        """The waits before tries 2, 3, ...: none (a decline is final) unless the scenario
+        sets them; the generator draws the retries family's keys when there are some."""
+        return tuple(self.settings.get("retry_schedule", ()))
 
     def attacks(self, usual: int) -> dict[str, int]:
         """What must have struck, and how often (see `Chronicle.attacks`), for the run to
@@ -89,6 +99,42 @@ def _failpoint(point: str) -> Scenario:
         **shape,
     )
 
+
+# The retries family (issue 37): a declined period's next tries 1 s apart, started and
+# published by the producer's own runs (`producers`), with keys whose cards succeed on a
+# later try, never succeed, are declined hard or want the customer to act.
+RETRY_SCHEDULE = (1.0, 1.0, 1.0)
+
+
+def _retries(name: str, what: str, *, producers: int = 1, **shape: Any) -> Scenario:
+    return Scenario(
+        f"retries_{name}",
+        f"retries 1 s apart (4 tries), produce every 0.5-1 s: {what}",
+        settings={"retry_schedule": RETRY_SCHEDULE},
+        producers=producers,
+        quick_size=200,
+        **shape,
+    )
+
+
+RETRIES_BASELINE = _retries("baseline", "no faults")
+RETRIES_KILL = _retries(
+    "kill", "3 workers, one killed (kill -9) every 2 s", workers=3, nemeses=(nemesis.KILL_WORKER,)
+)
+RETRIES_LOST_ANSWERS = _retries(
+    "lost_answers",
+    "30 % timeouts / 10 % 5xx after commit, on every try",
+    nemeses=(nemesis.LOST_ANSWERS,),
+    gateway={"lost_answer_rate": 0.3},
+)
+RETRIES_NO_IDEMPOTENCY = _retries(
+    "no_idempotency",
+    "idempotency off and 30 % lost answers: the ledger alone, across every try's key",
+    gateway={"idempotency_enabled": False, "lost_answer_rate": 0.3},
+)
+RETRIES_DOUBLE_PRODUCER = _retries(
+    "double_producer", "two produce runs at once, every time", producers=2
+)
 
 STRIPE = {"flavour": "stripe"}
 STRIPE_QUICK_SIZE = 150  # three scenarios inside `make test`: about 2 minutes of CI in all
@@ -185,6 +231,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         workers=3,
         nemeses=(nemesis.NETWORK,),
     ),
+    # two of the retries family in the quick tier (~30 s each); the rest in `make chaos`
+    RETRIES_KILL,
+    RETRIES_NO_IDEMPOTENCY,
 )
 
 # Only in `make chaos` (its quick size takes over a minute with the fleet's rate at 3/s:
@@ -257,7 +306,14 @@ LEASE_OUTLIVED_STRIPE = Scenario(
     max_size=1_000,
 )
 
-FULL_ONLY: tuple[Scenario, ...] = (LEASE_OUTLIVED, LEASE_OUTLIVED_STRIPE)
+# The retries family's other three: CI runs two of the five (`SCENARIOS`)
+FULL_ONLY: tuple[Scenario, ...] = (
+    LEASE_OUTLIVED,
+    LEASE_OUTLIVED_STRIPE,
+    RETRIES_BASELINE,
+    RETRIES_LOST_ANSWERS,
+    RETRIES_DOUBLE_PRODUCER,
+)
 
 # The clustered engines. The gateway is slow and the workers few, so charges are still
 # flowing when the faults strike.

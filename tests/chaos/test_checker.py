@@ -19,19 +19,35 @@ DECLINED = Entry("2:2026-12-01", "declined", order_id=2, customer="cus_decline",
 CHANGED_AT = dt.datetime(2026, 12, 1, 0, 0, 5, tzinfo=dt.UTC)
 
 
-def _charge(charge_id: str, *, refunded: bool = False) -> dict[str, Any]:
+def _charge(
+    charge_id: str,
+    *,
+    refunded: bool = False,
+    key: str = KEY,
+    attempt: int = 1,
+    customer: str = "cus_ok",
+    declined: str | None = None,
+) -> dict[str, Any]:
+    """A charge as `/_sim/charges` shows it: try `attempt` of `key`'s period, under that
+    try's key; `declined`: failed with this decline code."""
+    order_id, _, period = key.partition(":")
+    metadata = {"order_id": order_id, "billing_period": period}
     return {
         "id": charge_id,
-        "status": "succeeded",
+        "status": "failed" if declined else "succeeded",
         "amount": 1000,
         "amount_refunded": 1000 if refunded else 0,
         "refunded": refunded,
-        "customer": "cus_ok",
-        "idempotency_key": KEY,
+        "customer": customer,
+        "metadata": metadata | ({"attempt": str(attempt)} if attempt > 1 else {}),
+        "idempotency_key": key if attempt == 1 else f"{key}:{attempt}",
+        **({"decline_code": declined} if declined else {}),
     }
 
 
-def _row(status: str, recorded: str | None, outcome_seq: int = 1) -> dict[str, Any]:
+def _row(
+    status: str, recorded: str | None, outcome_seq: int = 1, current_try: int = 1
+) -> dict[str, Any]:
     return {
         "status": status,
         "gateway_charge_id": recorded,
@@ -40,6 +56,7 @@ def _row(status: str, recorded: str | None, outcome_seq: int = 1) -> dict[str, A
         "gateway_calls": 1,
         "outcome_seq": outcome_seq,
         "updated_at": CHANGED_AT,
+        "current_try": current_try,
     }
 
 
@@ -154,9 +171,11 @@ def test_a_late_verdict_or_a_dispute_may_follow_the_charge() -> None:
 
 def test_a_declined_key_ends_with_its_declined_event() -> None:
     rows = {DECLINED.key: _row("declined", None)}
+    declined = _charge("ch_d", key=DECLINED.key, customer="cus_decline", declined="do_not_honor")
     for kind, fatal in (("declined", []), ("failed", ["outcome_wrong_last"])):
         stream = _stream(_event(1, kind, key=DECLINED.key))
-        facts = Facts({}, rows, [], Counter(), 0, [], Counter(), stream)  # type: ignore[arg-type]
+        charges = {DECLINED.key: [declined]}
+        facts = Facts(charges, rows, [], Counter(), 0, [], Counter(), stream)  # type: ignore[arg-type]
         assert _fatal(facts, [DECLINED]) == fatal
 
 
@@ -217,3 +236,118 @@ def test_where_the_ledger_forgets_the_change_made_again_must_still_be_announced(
     duplicated = _facts([_charge("ch_1")], "ch_1", _stream(_event(1), _event(1)))
     forgot = judge([ENTRY], duplicated, ledger_forgets=True)
     assert [o for _, o, _ in forgot.fatal] == ["outcome_duplicate"]
+
+
+# --- tries (the retries family): counted per period at the gateway, across every try's key
+
+SOFT = Entry(KEY, "charged_once", order_id=1, customer="cus_soft3_1", amount=1000, tries=3)
+HARD = Entry(KEY, "declined", order_id=1, customer="cus_code_stolen_card_1", amount=1000)
+ACTION = Entry(KEY, "action_required", order_id=1, customer="cus_auth_1", amount=1000)
+RETRIES = 4  # tries allowed: the first and a schedule of three
+
+
+def _soft(attempt: int, charge_id: str | None = None) -> dict[str, Any]:
+    return _charge(
+        charge_id or f"ch_{attempt}",
+        attempt=attempt,
+        customer=SOFT.customer or "",
+        declined="insufficient_funds" if charge_id is None else None,
+    )
+
+
+def _tried(
+    entry: Entry,
+    charges: list[dict[str, Any]],
+    row: dict[str, Any],
+    events: list[Outcome],
+) -> list[str]:
+    facts = Facts({KEY: charges}, {KEY: row}, [], Counter(), 0, [], Counter(), _stream(*events))  # type: ignore[arg-type]
+    verdict = judge([entry], facts, tries_allowed=RETRIES)
+    return [outcome for _, outcome, _ in verdict.fatal] or list(verdict.outcomes)
+
+
+SOFT_EVENTS = [
+    _event(1, "retry_scheduled", charge=None, attempt=1),
+    _event(2, "retry_scheduled", charge=None, attempt=2),
+    _event(3, charge="ch_won", attempt=3),
+]
+
+
+def test_a_soft_decline_charged_on_its_try_is_charged_once() -> None:
+    charges = [_soft(1), _soft(2), _soft(3, "ch_won")]
+    row = _row("succeeded", "ch_won", outcome_seq=3, current_try=3)
+    assert _tried(SOFT, charges, row, SOFT_EVENTS) == ["charged_once"]
+
+
+def test_a_period_charged_twice_across_two_tries_keys_is_fatal() -> None:
+    # try 1's charge went through, unseen, and try 2 was sent under its own key
+    charges = [_soft(1, "ch_lost"), _soft(2, "ch_won")]
+    row = _row("succeeded", "ch_won", outcome_seq=2, current_try=2)
+    events = [_event(1, "retry_scheduled", charge=None), _event(2, charge="ch_won", attempt=2)]
+    assert "charged_twice" in _tried(SOFT, charges, row, events)
+
+
+def test_a_period_that_ends_on_another_try_than_its_card_allows_is_fatal() -> None:
+    # charged on try 3 as due, but the ledger says try 2: the try 2 row was never started
+    charges = [_soft(1), _soft(2), _soft(3, "ch_won")]
+    row = _row("succeeded", "ch_won", outcome_seq=3, current_try=2)
+    assert "wrong_try" in _tried(SOFT, charges, row, SOFT_EVENTS)
+
+
+@pytest.mark.parametrize(
+    "again",
+    [
+        _charge("ch_2", customer="cus_code_stolen_card_1", declined="stolen_card"),
+        _charge("ch_2", attempt=2, customer="cus_code_stolen_card_1", declined="stolen_card"),
+    ],
+    ids=["the same try again", "a next try"],
+)
+def test_a_hard_decline_sent_twice_is_fatal(again: dict[str, Any]) -> None:
+    first = _charge("ch_1", customer="cus_code_stolen_card_1", declined="stolen_card")
+    row = _row("declined", None)
+    events = [_event(1, "declined", charge=None)]
+    assert _tried(HARD, [first], row, events) == ["declined"]
+    assert _tried(HARD, [first, again], row, events) == ["final_decline_sent_again"]
+
+
+def test_a_customer_action_decline_is_never_sent_again_by_itself() -> None:
+    first = _charge("ch_1", customer="cus_auth_1", declined="authentication_required")
+    row = _row("action_required", None)
+    events = [_event(1, "action_required", charge=None)]
+    assert _tried(ACTION, [first], row, events) == ["action_required"]
+    again = _charge("ch_2", attempt=2, customer="cus_auth_1", declined="authentication_required")
+    assert _tried(ACTION, [first, again], row, events) == ["final_decline_sent_again"]
+
+
+def test_a_try_beyond_the_schedule_is_fatal() -> None:
+    exhausted = Entry(KEY, "declined", order_id=1, customer="cus_soft_1", amount=1000, tries=4)
+    charges = [
+        _charge(f"ch_{n}", attempt=n, customer="cus_soft_1", declined="insufficient_funds")
+        for n in range(1, 6)
+    ]
+    events = [_event(n, "retry_scheduled", charge=None, attempt=n) for n in range(1, 5)]
+    row = _row("declined", None, outcome_seq=5, current_try=5)
+    events.append(_event(5, "declined", charge=None, attempt=5))
+    assert "tried_beyond_schedule" in _tried(exhausted, charges, row, events)
+    within = _row("declined", None, outcome_seq=4, current_try=4)
+    last = _event(4, "declined", charge=None, attempt=4)
+    assert _tried(exhausted, charges[:4], within, [*events[:3], last]) == ["declined"]
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        [SOFT_EVENTS[0], _event(2, charge="ch_won", attempt=3)],
+        [SOFT_EVENTS[0], SOFT_EVENTS[1], _event(3, charge="ch_won", attempt=2)],
+        [
+            _event(1, "retry_scheduled", charge=None, attempt=2),
+            _event(2, "retry_scheduled", charge=None, attempt=1),
+            SOFT_EVENTS[2],
+        ],
+    ],
+    ids=["try 2's decline not announced", "the last event of another try", "tries going back"],
+)
+def test_the_events_must_tell_each_try(events: list[Outcome]) -> None:
+    charges = [_soft(1), _soft(2), _soft(3, "ch_won")]
+    row = _row("succeeded", "ch_won", outcome_seq=len(events), current_try=3)
+    assert _tried(SOFT, charges, row, events) == ["outcome_wrong_try"]
