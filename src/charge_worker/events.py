@@ -5,7 +5,7 @@ Kinds, and who writes them:
 | kind           | actor      | detail                                                        |
 |----------------|------------|---------------------------------------------------------------|
 | `scheduled`    | producer   | subscription, amount, currency: told by the ledger row (below)|
-| `published`    | producer   | msg id: told by the ledger row (below)                        |
+| `published`    | producer   | msg id (the current try's): told by the ledger row (below)    |
 | `gateway_call` | worker     | attempt, call number: one written before each call by earlier |
 |                |            | versions (`explain` still tells them); `delivery` says it now |
 | `delivery`     | worker     | stream seq, delivery, attempt, taken over from, scoring,       |
@@ -59,7 +59,8 @@ SELECT at, kind, actor, detail FROM charge_events
 """
 
 _LEDGER = """
-SELECT created_at, published_at, status, subscription_id, amount_minor, currency, traceparent
+SELECT created_at, published_at, status, subscription_id, amount_minor, currency, traceparent,
+       current_try
   FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
 """
 PRODUCER = "producer"
@@ -116,6 +117,7 @@ def _produced(
         detail = {name: row[name] for name in ("subscription_id", "amount_minor", "currency")}
         found.append(Event(row["created_at"], "scheduled", PRODUCER, detail | trace))
     if row["published_at"] is not None and "published" not in told:
-        detail = {"msg_id": msg_id(order_id, billing_period)} | trace
+        # the row's publish is its current try's (a try started afresh is published afresh)
+        detail = {"msg_id": msg_id(order_id, billing_period, row["current_try"])} | trace
         found.append(Event(row["published_at"], "published", PRODUCER, detail))
     return found

@@ -12,7 +12,9 @@ person is decided in `proof.py`. In order, as the sweeps ran before:
 | none (a failover forgot it)    | the charge its subscription proves is recorded        |
 | any, > 1 charge captured       | the kept one recorded if the row is open; the proven  |
 |                                | doubles refunded                                      |
-| declined, failed, blocked      | the matching charge is recorded                       |
+| declined, failed, blocked,     | the matching charge (of any try) is recorded: a       |
+| retry_scheduled,               | period that holds money is never tried again          |
+| action_required                |                                                       |
 | any                            | charges not proven the key's (another amount,         |
 |                                | currency or customer): reported for a person, never   |
 |                                | recorded; an open row stays open for the due charge   |
@@ -40,11 +42,12 @@ SELECT status, gateway_charge_id, gateway_seen_charge_id, attempt, fingerprint, 
   FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
 """
 
-# Guarded by the status and fence read before: a replay that revived the row wins.
+# Guarded by the status and fence read before: a replay that revived the row, or a retry
+# started meanwhile, wins. A period that holds money is tried no more (`retry_at` goes).
 _RECORD = """
 UPDATE charge_attempts
    SET status = 'succeeded', gateway_charge_id = $5, gateway_seen_charge_id = $5,
-       last_error = NULL, settled_at = now(), updated_at = now()
+       last_error = NULL, retry_at = NULL, settled_at = now(), updated_at = now()
  WHERE order_id = $1 AND billing_period = $2 AND status = $3 AND attempt = $4
 """
 
@@ -245,8 +248,10 @@ async def _keep(
 
 
 async def _unrecorded(run: Sweeper, conn: Db, key: Key, captured: list[GatewayCharge]) -> bool:
-    """A captured charge while the row is `declined`, `failed` or `blocked` (the customer
-    paid; the ledger says no). A charge that matches the row is recorded (`succeeded`,
+    """A captured charge (of any try) while the row is `declined`, `failed`, `blocked`,
+    `retry_scheduled` or `action_required` (the customer paid; the ledger says no, or waits
+    to try again: recording it moves the row out of `retry_scheduled`, so no next try
+    starts). A charge that matches the row is recorded (`succeeded`,
     with a `resolved` event); others are for a person."""
     row = await conn.fetchrow(_ROW, *key)
     ledger = _ledger_row(row)

@@ -10,7 +10,8 @@ paid, so both need proof: the key has a ledger row, and the charge matches its f
 |                                                   | matching), refund the other matching ones    |
 | any that do not match the row, or no row at all   | unmatched: reported for a person, untouched  |
 | the recorded one does not match its own row       | all unmatched: which is right is not ours    |
-| any, for a row that is declined, failed, blocked  | record the earliest matching one             |
+| any, for a row that is declined, failed, blocked, | record the earliest matching one (of any     |
+| retry_scheduled or action_required                | try): a retry is never started then          |
 
 A lookup for an open row (an unknown outcome, a lost message) records only what a charge
 that matches the row says (`split`): a charge someone else made with our metadata (a
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 
 from charge_worker.gateway import GatewayCharge
 
-SAID_NO = frozenset({"declined", "failed", "blocked"})  # ledger rows that record no charge
+# ledger rows that record no charge: the period said no (or its try did: a retry waits)
+SAID_NO = frozenset({"declined", "failed", "blocked", "retry_scheduled", "action_required"})
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,7 @@ async def _run(
                     dry_run=dry_run,
                     progress=progress,
                     concurrency=concurrency,
+                    retry_schedule=tuple(settings.retries.retry_schedule),
                 )
                 await _sweep(sweeper, plan, window_s=cfg.reconcile_window_s, every=every)
     finally:

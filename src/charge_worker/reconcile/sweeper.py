@@ -23,6 +23,7 @@ import asyncpg
 import structlog
 
 from charge_worker import events, tracing
+from charge_worker.declines import decline_class
 from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, SettingsError
 from charge_worker.gateway import Gateway, GatewayCharge
 from charge_worker.messages import idempotency_key
@@ -39,6 +40,7 @@ ACTOR = "reconcile"
 PROGRESS_EVERY = 100  # rows
 CONCURRENCY = 8  # keys worked on at once, each on its own ledger connection
 BATCH = 1000  # rows read at a time
+DECLINED = frozenset({"declined", "retry_scheduled", "action_required"})  # a try's decline
 log = structlog.get_logger(__name__)
 Db: TypeAlias = "asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"  # a key's own
 T = TypeVar("T")
@@ -47,11 +49,16 @@ T = TypeVar("T")
 # charge comes from the gateway's own lookup: shown, so no possible discrepancy.
 # A charge found made with no verdict kept (its worker died mid-call: the verdict is
 # written with the outcome) gets the post-hoc scoring check a deferred verdict has.
+# A decline found leaves the period as the worker's would (`retry_scheduled` with its
+# `retry_at` in `$9` seconds, `action_required`, `declined`), with its code and class.
 _SETTLE = """
 WITH updated AS (
     UPDATE charge_attempts
        SET status = $4, gateway_charge_id = coalesce($5, gateway_charge_id),
            gateway_seen_charge_id = $5, last_error = $6, decline_code = $7,
+           decline_class = $8,
+           retry_at = CASE WHEN $4 = 'retry_scheduled' THEN now() + make_interval(secs => $9)
+                      END,
            scoring = CASE WHEN $4 IN ('succeeded', 'processing')
                           THEN coalesce(scoring, 'deferred') ELSE scoring END,
            lease_owner = NULL, lease_until = NULL, updated_at = now(),
@@ -160,6 +167,9 @@ class Sweeper:
     decided: set[Key] = field(default_factory=set)
     # the customer of keys the history showed, for lookups of keys with no row left
     customers: dict[Key, str] = field(default_factory=dict)
+    # the waits before tries 2, 3, ... (`CHARGE_WORKER_RETRY_SCHEDULE`): what a decline
+    # found leaves a period in, as the worker decides it (`retries.schedule.after_decline`)
+    retry_schedule: tuple[float, ...] = ()
 
     @contextlib.contextmanager
     def each(self, sweep: Sweep, key: str) -> Iterator[None]:
@@ -237,12 +247,16 @@ class Sweeper:
         charge_id: str | None,
         error: str | None,
         decline_code: str | None = None,
+        retry_in_s: float | None = None,
         **detail: Any,
     ) -> bool:
-        """The guarded write, with its `resolved` event; False if a worker took the row."""
+        """The guarded write, with its `resolved` event; False if a worker took the row.
+        A decline (`declined`, `retry_scheduled` due in `retry_in_s`, `action_required`)
+        keeps its code and class."""
+        klass = decline_class(decline_code) if status in DECLINED else None
         async with conn.transaction():
             updated = await conn.fetchval(
-                _SETTLE, *key, attempt, status, charge_id, error, decline_code
+                _SETTLE, *key, attempt, status, charge_id, error, decline_code, klass, retry_in_s
             )
             if updated != 1:
                 return False

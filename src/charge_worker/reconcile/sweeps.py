@@ -7,6 +7,12 @@
 | lost messages      | quiet, unleased `scheduled`/`pending` rows   | recording what lookup finds, |
 |                    | whose message no longer waits in the stream  | else re-publishing           |
 
+A lookup lists every try's charges of the period; what it says is read as the worker
+reads it (`found`): money of any try settles the period `succeeded`, and only the current
+try's failed charge is its decline, which leaves the period in the state the retry schedule
+says (`retry_scheduled` with its `retry_at`, `action_required`, or `declined`). An earlier
+try's decline is that try's, recorded already: it never settles the current one.
+
 Only a charge that matches the row (amount, currency, customer: `proof.split`) is
 recorded; one someone else made with our metadata is a person's, and the row stays open,
 so the sweep re-publishes it and the due charge is made.
@@ -21,25 +27,28 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 from pydantic import ValidationError
 
+from charge_worker.declines import decline_class
 from charge_worker.errors import PoisonMessage
 from charge_worker.gateway import GatewayCharge
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
 from charge_worker.reconcile import proof
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.report import Finding
-from charge_worker.reconcile.sweeper import BATCH, Sweeper, stamp
+from charge_worker.reconcile.sweeper import BATCH, DECLINED, Sweeper, stamp
+from charge_worker.retries.schedule import after_decline
 
 FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), 0, dt.date.min)  # before every keyset
 
 _UNKNOWN = """
 SELECT order_id, billing_period, attempt, updated_at, status, customer_id, fingerprint,
-       gateway_charge_id
+       gateway_charge_id, current_try
   FROM charge_attempts
  WHERE ((status = 'pending' AND gateway_calls > 0) OR status = 'processing')
    AND (lease_until IS NULL OR lease_until < now())
@@ -96,9 +105,10 @@ async def _quiet_rows(
 
 async def unknown_outcomes(run: Sweeper) -> None:
     """Record what the gateway did for quiet, unleased `pending` rows whose call
-    has no recorded outcome, and for quiet `processing` rows. A charge found: `succeeded`;
-    one still processing: `processing` (again later); a failed one: `declined`; nothing:
-    left pending for `lost_messages` (the worker looks up before charging)."""
+    has no recorded outcome, and for quiet `processing` rows. A charge found (of any try):
+    `succeeded`; one still processing: `processing` (again later); the current try's failed
+    one: what the retry schedule says; nothing: left pending for `lost_messages` (the worker
+    looks up before charging)."""
     done = 0
 
     async def one(row: asyncpg.Record) -> None:
@@ -113,17 +123,36 @@ async def unknown_outcomes(run: Sweeper) -> None:
         await run.together(rows, one)
 
 
-def _found(charges: list[GatewayCharge]) -> tuple[str, GatewayCharge] | None:
-    """What a lookup's charges that match the row (`proof.split`) say happened: the
-    earliest still captured, else the earliest made (refunded since), else one the bank
-    still settles, else a failed one."""
+@dataclass(frozen=True)
+class Found:
+    """What a lookup says the period's open row comes to: `status` (as the worker would
+    settle it), the charge that says so, and for a decline what the schedule makes of it."""
+
+    status: str
+    charge: GatewayCharge
+    retry_in_s: float | None = None  # `retry_scheduled`: the wait before the next try
+    exhausted: bool = False  # `declined` for want of a try left
+
+
+def found(
+    charges: list[GatewayCharge], current_try: int, schedule: Sequence[float]
+) -> Found | None:
+    """What a lookup's charges that match the row (`proof.split`) say happened, by the
+    worker's rule (`worker/pipeline.py`): the earliest still captured (of any try), else the
+    earliest made (refunded since), else one the bank still settles, else the current
+    try's failed one, which the retry schedule decides on (`after_decline`). An earlier
+    try's failed charge is no answer: None then, as for nothing at all."""
     made = [c for c in charges if c.captured] or [c for c in charges if c.charged]
     if made:
-        return "succeeded", made[0]
+        return Found("succeeded", made[0])
     if processing := [c for c in charges if c.processing]:
-        return "processing", processing[0]
-    failed = [c for c in charges if c.status == "failed"]
-    return ("declined", failed[0]) if failed else None
+        return Found("processing", processing[0])
+    failed = [c for c in charges if c.status == "failed" and c.attempt == current_try]
+    if not failed:
+        return None
+    charge = failed[-1]
+    after = after_decline(decline_class(charge.decline_code), current_try, schedule)
+    return Found(after.status, charge, after.retry_in_s, after.exhausted)
 
 
 async def _ours(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayCharge]:
@@ -140,13 +169,13 @@ async def _ours(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayChar
 
 async def _resolve(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
     attempt, was = row["attempt"], row["status"]
-    found = _found(await _ours(run, key, row))
-    if found is None:
+    answer = found(await _ours(run, key, row), row["current_try"], run.retry_schedule)
+    if answer is None:
         action = "not found: re-publish" if was == "pending" else "not found at the gateway"
         run.report.add("unknown_outcomes", Finding(*key, action, {"status": was}))
         return
-    status, charge = found
-    detail = {"attempt": attempt, "charge_id": charge.id}
+    status, charge = answer.status, answer.charge
+    detail = {"attempt": attempt, "charge_id": charge.id} | _try(answer, row)
     if status == was == "processing":  # the bank has not settled it: look again later
         if not run.dry_run:
             async with run.pool.acquire() as conn:
@@ -156,14 +185,7 @@ async def _resolve(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
     if run.dry_run:
         run.settled.add(key)
         action = f"would record {status}"
-    elif await _settle_found(
-        run,
-        key,
-        attempt,
-        status,
-        charge,
-        lookup=charge.status,
-    ):
+    elif await _settle_found(run, key, attempt, answer, lookup=charge.status):
         run.report.counts.unknown_resolved += 1
         action = f"recorded {status}"
     else:
@@ -196,12 +218,12 @@ async def lost_messages(run: Sweeper) -> None:
 
 
 async def _recover(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
-    found = _found(await _ours(run, key, row))
-    if found is None:
+    answer = found(await _ours(run, key, row), row["current_try"], run.retry_schedule)
+    if answer is None:
         await _republish(run, key, row)
         return
-    status, charge = found
-    detail = {"status": row["status"], "charge_id": charge.id}
+    status, charge = answer.status, answer.charge
+    detail = {"status": row["status"], "charge_id": charge.id} | _try(answer, row)
     if run.dry_run:
         run.settled.add(key)
         action = f"would record {status} (found at the gateway)"
@@ -209,8 +231,7 @@ async def _recover(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
         run,
         key,
         row["attempt"],
-        status,
-        charge,
+        answer,
         lookup=charge.status,
         how="its message was gone; the gateway had it",
     ):
@@ -256,20 +277,31 @@ async def _republish(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
     run.report.add("lost_messages", Finding(*key, "re-published", detail))
 
 
-async def _settle_found(
-    run: Sweeper, key: Key, attempt: int, status: str, charge: GatewayCharge, **detail: Any
-) -> bool:
+def _try(answer: Found, row: asyncpg.Record) -> dict[str, Any]:
+    """The try a charge found was made by, when it is not try 1; a decline's schedule."""
+    detail: dict[str, Any] = {}
+    if answer.charge.attempt != 1 or row["current_try"] != 1:
+        detail["try"] = answer.charge.attempt
+    if answer.retry_in_s is not None:
+        detail["retry_in_s"] = answer.retry_in_s
+    if answer.exhausted:
+        detail["exhausted"] = True
+    return detail
+
+
+async def _settle_found(run: Sweeper, key: Key, attempt: int, answer: Found, **detail: Any) -> bool:
     """Record what a lookup found for an open row (guarded); False if a worker took it."""
-    declined = status == "declined"
+    charge, declined = answer.charge, answer.status in DECLINED
     error = f"declined: charge {charge.id} failed (reconcile)" if declined else None
     async with run.pool.acquire() as conn:
         return await run.settle(
             conn,
             key,
             attempt,
-            status,
+            answer.status,
             charge_id=None if declined else charge.id,
             error=error,
             decline_code=charge.decline_code if declined else None,
+            retry_in_s=answer.retry_in_s,
             **detail,
         )
