@@ -14,7 +14,7 @@ DEMO_TIMEOUT_S = 240
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_demo_charges_every_key_once_and_dead_letters_the_bad_ones() -> None:
+def test_demo_charges_every_period_once_retries_by_class_and_dead_letters_the_bad_ones() -> None:
     clean = {
         key: value
         for key, value in os.environ.items()
@@ -30,35 +30,105 @@ def test_demo_charges_every_key_once_and_dead_letters_the_bad_ones() -> None:
     )
     output = result.stdout
     assert result.returncode == 0, f"{output}\n{result.stderr}"
-    assert re.search(r"\b20 keys, each charged exactly once", output), output
-    assert "charged 2 times" not in output
+    assert_every_period_charged_once(output)
     assert re.search(r"#\d+ poison .*not UTF-8 JSON", output), output
     assert re.search(r"#\d+ poison .*amount_minor", output), output
     assert re.search(r"#\d+ conflict .*order 1003 ", output), output
     assert "worker-1 exited 0, worker-2 exited 0" in output
+    assert_retries(output)
     assert_outcome_events(output)
+    assert_declined_periods(output)
     assert "every expectation held" in output
 
 
+def assert_every_period_charged_once(output: str) -> None:
+    """The promise across every try's key: 20 ordinary periods, one recovered by the
+    schedule and one retried on purpose."""
+    assert (
+        "22 periods, each charged exactly once across every try's key (2 on a later try)" in output
+    ), output
+    assert "!!!" not in output  # no period charged twice
+
+
+def assert_retries(output: str) -> None:
+    """Support's retry and the producer's run, as the demo ran them."""
+    assert "    $ charge-worker retry 1026 2026-12-01\n" in output, output
+    assert (
+        "    | started try 2 of 1026:2026-12-01 (was action_required), key 1026:2026-12-01:2:"
+        " published as charge:1026:2026-12-01:2\n"
+    ) in output, output
+    assert "    due now: orders 1021, 1024\n" in output, output
+    assert "    | next tries started: 2, published: 2, postponed by the cap: 0\n" in output, output
+
+
+EVENTS = 29  # 20 ordinary, 1 blocked, and the declined periods' 2 + 2 + 1 + 3
+
+
 def assert_outcome_events(output: str) -> None:
-    """The events section: what a downstream consumer read, one line per event, counted."""
+    """The events section: what a downstream consumer read, one line per event, counted;
+    each declined period's events with the try they tell of."""
     assert "the outbox is drained: every outcome event is in CHARGE_OUTCOMES" in output, output
     section = output.split("outcome events (CHARGE_OUTCOMES), as a downstream consumer read them")
     assert len(section) == 2, output
     heading, *lines = section[1].splitlines()
     assert heading == (
-        " (durable demo-downstream on charges.outcome.>): 22: 1 blocked, 1 declined, 20 succeeded"
+        f" (durable demo-downstream on charges.outcome.>): {EVENTS}: 1 action_required,"
+        " 1 blocked, 2 declined, 3 retry_scheduled, 22 succeeded; by period, in sequence"
     )
-    event = re.compile(r"      (\d+):2026-12-01:1 +(charge\.\w+) +sequence 1  (\d+) ([A-Z]{3})")
-    seen = {m[1]: (m[2], int(m[3]), m[4]) for m in map(event.fullmatch, lines[:22]) if m}
-    assert len(seen) == 22, lines[:22]
-    assert seen["1001"] == ("charge.succeeded", 1990, "RUB")
-    assert seen["1021"] == ("charge.declined", 1500, "USD")
-    assert seen["1022"] == ("charge.blocked", 250000, "RUB")
-    assert lines[22] == (
-        "      each of the ledger's 22 changes (charge_attempts.outcome_seq) seen once;"
+    event = re.compile(
+        r"      (\d+):2026-12-01:(\d) +(charge\.\w+) +try (\d)  sequence \2  (\d+) ([A-Z]{3})"
+        r"(?:  (\w+))?(?:  retry_at \S+)?"
+    )
+    matched = [m for m in map(event.fullmatch, lines[:EVENTS]) if m]
+    assert len(matched) == EVENTS, lines[:EVENTS]
+    seen = {(m[1], int(m[2])): (m[3], int(m[4]), int(m[5]), m[6], m[7]) for m in matched}
+    assert seen["1001", 1] == ("charge.succeeded", 1, 1990, "RUB", None)
+    assert seen["1022", 1] == ("charge.blocked", 1, 250000, "RUB", None)
+    # a generic decline is soft: retried once (the demo's schedule), then final
+    assert seen["1021", 1][:2] == ("charge.retry_scheduled", 1)
+    assert seen["1021", 2] == ("charge.declined", 2, 1500, "USD", "generic_decline")
+    # recovered on try 2
+    assert seen["1024", 1] == ("charge.retry_scheduled", 1, 4900, "EUR", "insufficient_funds")
+    assert seen["1024", 2] == ("charge.succeeded", 2, 4900, "EUR", None)
+    assert ("1024", 3) not in seen
+    # hard: final on try 1
+    assert seen["1025", 1] == ("charge.declined", 1, 7500, "USD", "stolen_card")
+    assert ("1025", 2) not in seen
+    # customer action: waits, then retried on purpose (made due now) and charged on try 2
+    assert seen["1026", 1] == ("charge.action_required", 1, 12900, "RUB", "expired_card")
+    assert seen["1026", 2][:2] == ("charge.retry_scheduled", 1)
+    assert seen["1026", 3] == ("charge.succeeded", 2, 12900, "RUB", None)
+    assert lines[EVENTS] == (
+        f"      each of the ledger's {EVENTS} changes (charge_attempts.outcome_seq) seen once;"
         " 0 duplicate deliveries dropped by event_id"
     )
+
+
+def assert_declined_periods(output: str) -> None:
+    """The summary's last section: each declined period's tries in plain words."""
+    section = output.split("declined renewals, period by period (CHARGE_WORKER_RETRY_SCHEDULE=5s)")
+    assert len(section) == 2, output
+    lines = section[1].splitlines()
+    assert lines[0] == ": 4"
+    assert lines[1:11] == [
+        "      order 1021 cus_decline_carol (1500 USD): declined for good after 2 tries"
+        " (2 tries at the gateway)",
+        "        try 1: declined generic_decline (soft); retry scheduled; charge-worker produce"
+        " started the next try when it came due",
+        "        try 2: declined generic_decline (soft): final, the schedule has no try left",
+        "      order 1024 cus_soft2_dan (4900 EUR): recovered on try 2 by the retry schedule",
+        "        try 1: declined insufficient_funds (soft); retry scheduled; charge-worker produce"
+        " started the next try when it came due",
+        "        try 2: charged",
+        "      order 1025 cus_code_stolen_card_victor (7500 USD): a hard decline, never retried"
+        " (1 try at the gateway)",
+        "        try 1: declined stolen_card (hard): final, never tried again",
+        "      order 1026 cus_code_expired_card_wendy (12900 RUB): charged on try 2, retried on"
+        " purpose after the customer acted",
+        "        try 1: declined expired_card (customer action); waited for the customer;"
+        " support retried on purpose (charge-worker retry)",
+    ]
+    assert lines[11] == "        try 2: charged"
 
 
 def _demo(**env: str) -> subprocess.CompletedProcess[str]:
@@ -85,9 +155,10 @@ def test_demo_on_the_stripe_flavour_charges_every_key_once() -> None:
     output = result.stdout
     assert result.returncode == 0, f"{output}\n{result.stderr}"
     assert "gateway simulator (stripe flavour, GATEWAY_KIND=stripe)" in output
-    assert re.search(r"\b20 keys, each charged exactly once", output), output
-    assert "charged 2 times" not in output
+    assert_every_period_charged_once(output)
+    assert_retries(output)
     assert_outcome_events(output)
+    assert_declined_periods(output)
     assert "every expectation held" in output
 
 

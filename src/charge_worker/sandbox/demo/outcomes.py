@@ -71,6 +71,9 @@ class Seen:
     order_id: int
     amount_minor: int
     currency: str
+    attempt: int  # the period's try the change was made in
+    decline_code: str | None
+    retry_at: str | None  # `charge.retry_scheduled`: when the next try is due
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ async def read_as_consumer(js: JetStreamContext, cfg: NatsSettings) -> Read:
                         body["order_id"],
                         body["amount_minor"],
                         body["currency"],
+                        body["attempt"],
+                        body.get("decline_code"),
+                        body.get("retry_at"),
                     )
                 await msg.ack()
     finally:

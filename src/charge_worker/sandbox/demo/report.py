@@ -1,14 +1,14 @@
 """What the demo shows at the end: read every witness, print a summary, list what went wrong.
 
-Witnesses: the gateway simulator (charges per idempotency key: the promise), the ledger
-(`charge_attempts`), the dead-letter stream, each worker's `/metrics` and JSON log, the
-scoring simulator's counters, and the outcome events a downstream consumer read
-(`outcomes.py`). `print_summary` returns the broken expectations, if any.
+Witnesses: the gateway simulator (charges per period, across every try's key: the promise),
+the ledger (`charge_attempts`, `charge_tries`), the dead-letter stream, each worker's
+`/metrics` and JSON log, the scoring simulator's counters, and the outcome events a
+downstream consumer read (`outcomes.py`). The summary ends with each declined period's
+tries in plain words (`periods.py`). `print_summary` returns the broken expectations, if any.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -16,19 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import click
 import httpx
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from charge_worker.sandbox.demo.ledger import CHARGED, EarlierTry, LedgerRow
 from charge_worker.sandbox.demo.outcomes import DOWNSTREAM_DURABLE, Read, mismatches
+from charge_worker.sandbox.demo.periods import Retries, period_of, print_periods
 from charge_worker.sandbox.demo.samples import Published
 from charge_worker.sandbox.demo.workers import Samples, metric
 from charge_worker.worker.decisions import Outcome
 
-FINAL = frozenset({"succeeded", "declined", "blocked", "failed", "refunded"})
-CHARGED = frozenset({"succeeded", "refunded"})  # a refunded charge was made all the same
 INDENT = "    "
 WHAT_FOLLOWED = {  # what the worker did with a delivery of each outcome
     Outcome.DUPLICATE: "final already: ack",
@@ -37,35 +36,6 @@ WHAT_FOLLOWED = {  # what the worker did with a delivery of each outcome
     Outcome.CONFLICT: "dead letter",
     Outcome.REJECTED: "dead letter",
 }
-
-
-@dataclass(frozen=True)
-class LedgerRow:
-    """One `charge_attempts` row, as much as the demo shows."""
-
-    order_id: int
-    customer_id: str
-    status: str
-    scoring: str | None
-    claims: int
-    last_error: str | None
-    outcome_seq: int  # how many outcome events the row's changes made
-    outcome_type: str | None  # the type of the last
-
-
-async def ledger_rows(
-    conn: asyncpg.Connection, period: dt.date, order_ids: Sequence[int]
-) -> list[LedgerRow]:
-    """The demo's rows of `charge_attempts` (other rows on a shared database are left out)."""
-    records = await conn.fetch(
-        "SELECT order_id, customer_id, status, scoring, attempt AS claims, last_error,"
-        "       outcome_seq, outcome_type"
-        "  FROM charge_attempts WHERE billing_period = $1 AND order_id = ANY($2::bigint[])"
-        " ORDER BY order_id",
-        period,
-        list(order_ids),
-    )
-    return [LedgerRow(**dict(record)) for record in records]
 
 
 @dataclass(frozen=True)
@@ -118,9 +88,10 @@ async def sim_json(client: httpx.AsyncClient, url: str) -> Any:
     return response.json()
 
 
-def charges_per_key(charges: Iterable[dict[str, Any]]) -> Counter[str]:
-    """Successful charges at the gateway, per idempotency key."""
-    return Counter(c["idempotency_key"] for c in charges if c["status"] in CHARGED)
+def charges_per_period(charges: Iterable[dict[str, Any]]) -> Counter[str]:
+    """Successful charges at the gateway, per period (`<order_id>:<billing_period>`), whichever
+    try's key made them."""
+    return Counter(period_of(c["idempotency_key"]) for c in charges if c["status"] in CHARGED)
 
 
 @dataclass(frozen=True)
@@ -172,6 +143,8 @@ class Story:
     published: Published
     all_final: bool
     rows: list[LedgerRow]
+    tries: dict[int, list[EarlierTry]]
+    retries: Retries
     gateway_charges: list[dict[str, Any]]
     gateway_stats: dict[str, Any]
     scoring_stats: dict[str, Any]
@@ -191,15 +164,19 @@ def _heading(text: str) -> None:
 
 
 def _promise(story: Story, problems: list[str]) -> None:
-    charged = charges_per_key(story.gateway_charges)
+    charged = charges_per_period(story.gateway_charges)
     twice = {key: n for key, n in charged.items() if n > 1}
     if twice:
         for key, n in sorted(twice.items()):
-            click.secho(f"{INDENT}!!! key {key} was charged {n} times !!!", fg="red", bold=True)
-        problems.append(f"{len(twice)} keys charged more than once")
+            click.secho(f"{INDENT}!!! period {key} was charged {n} times !!!", fg="red", bold=True)
+        problems.append(f"{len(twice)} periods charged more than once")
     else:
+        later = sum(row.current_try > 1 for row in story.rows if row.status in CHARGED)
         click.secho(
-            f"{INDENT}{len(charged)} keys, each charged exactly once", fg="green", bold=True
+            f"{INDENT}{len(charged)} periods, each charged exactly once across every try's key"
+            f" ({later} on a later try)",
+            fg="green",
+            bold=True,
         )
     period = story.published.period.isoformat()
     succeeded = {f"{r.order_id}:{period}" for r in story.rows if r.status in CHARGED}
@@ -225,8 +202,11 @@ def _ledger(story: Story, problems: list[str]) -> None:
     statuses = Counter(row.status for row in story.rows)
     _heading(f"ledger (charge_attempts): {len(story.rows)} keys: {_counts(statuses)}")
     for row in story.rows:
-        if row.status not in CHARGED:
-            line = f"{row.order_id}  {row.status:<9} {row.customer_id:<18} {row.last_error or ''}"
+        if row.status not in CHARGED or row.current_try > 1:
+            line = (
+                f"{row.order_id}  {row.status:<9} try {row.current_try}  {row.customer_id:<28}"
+                f" {row.decline_code or row.last_error or ''}"
+            )
             click.echo(f"{INDENT}  order {line.rstrip()}")
     deferred = sum(row.scoring == "deferred" for row in story.rows)
     if deferred:
@@ -280,6 +260,10 @@ def _workers(story: Story, problems: list[str]) -> None:
     _row("redeliveries (num_delivered > 1)", per_worker("charge_worker_redeliveries_total"))
     _row("duplicates absorbed by the ledger", per_worker("charge_worker_duplicates_absorbed_total"))
     _row("heartbeats sent (+WPI)", per_worker("charge_worker_heartbeats_total"))
+    tries = "charge_worker_tries_total"
+    _row("retries (tries 2 and later) ended", per_worker(tries, retry="retry"))
+    _row("  charged: recovered by a retry", per_worker(tries, outcome="succeeded", retry="retry"))
+    _row("periods declined, no try left", per_worker("charge_worker_periods_exhausted_total"))
     slow = sorted((s for w in workers for s in w.log.slow), reverse=True)
     if slow:
         first_try = sum(delivery == 1 for _, delivery in slow)
@@ -316,12 +300,15 @@ def _outcomes(story: Story, problems: list[str]) -> None:
     consumer = f"durable {DOWNSTREAM_DURABLE} on {story.outcomes_subject}.>"
     _heading(
         f"outcome events ({story.outcomes_stream}), as a downstream consumer read them"
-        f" ({consumer}): {len(events)}: {_counts(kinds)}"
+        f" ({consumer}): {len(events)}: {_counts(kinds)}; by period, in sequence"
     )
-    for event in events:
+    for event in sorted(events, key=lambda e: (e.order_id, e.sequence)):
+        retry_at = f"  retry_at {event.retry_at}" if event.retry_at else ""
+        decline = f"  {event.decline_code}" if event.decline_code else ""
         click.echo(
-            f"{INDENT}  {event.event_id:<22} {event.type:<18} sequence {event.sequence}"
-            f"  {event.amount_minor} {event.currency}"
+            f"{INDENT}  {event.event_id:<22} {event.type:<22} try {event.attempt}"
+            f"  sequence {event.sequence}  {event.amount_minor} {event.currency}"
+            f"{decline}{retry_at}"
         )
     if not story.outcomes_drained:
         problems.append("outcome events were left unsent")
@@ -349,4 +336,7 @@ def print_summary(story: Story) -> list[str]:
     for worker in story.workers:
         click.echo(f"{INDENT}{worker.name} log: {worker.log_path}")
     _outcomes(story, problems)
+    problems += print_periods(
+        story.rows, story.tries, story.gateway_charges, story.published, story.retries
+    )
     return problems

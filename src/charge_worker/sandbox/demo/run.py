@@ -3,12 +3,16 @@
 Starts (unless NATS_URL / DATABASE_URL point elsewhere) an embedded nats-server and
 PostgreSQL on free loopback ports, the gateway simulator and the scoring simulator with the
 incident's latency shape (a 6-8 s tail, longer than the demo's 5 s AckWait), migrates,
-provisions, publishes sample due charges with every kind of trouble (`samples.py`),
-runs two `charge-worker run` processes (`workers.py`) until every charge is final and
-nothing is left unacked (`progress.py`) and their relays have published every outcome event
-(`outcomes.py`), stops them with SIGTERM and prints what happened (`report.py`): charges per
-key at the gateway, the ledger, the dead letters, the workers' metrics, and the outcome
-events a downstream consumer read. Raises `DemoFailed` (exit 1) when an expectation broke.
+provisions, publishes sample due charges with every kind of trouble and of decline
+(`samples.py`), runs two `charge-worker run` processes (`workers.py`) until every charge is
+final or waits for its next try (`progress.py`), starts the next tries as the product does
+(`retries.py`: `charge-worker retry` for a customer who fixed their card, `charge-worker
+produce` for the soft declines come due), waits until every charge is final, nothing is left
+unacked and the relays have published every outcome event (`outcomes.py`), stops the
+workers with SIGTERM and prints what happened (`report.py`): charges per period at the
+gateway, the ledger, the dead letters, the workers' metrics, the outcome events a
+downstream consumer read, and each declined period's tries (`periods.py`). Raises
+`DemoFailed` (exit 1) when an expectation broke.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from charge_worker import event_loop, streams
 from charge_worker.display import without_credentials
 from charge_worker.errors import SettingsError
 from charge_worker.migrate import migrate
-from charge_worker.sandbox.demo import outcomes, report
+from charge_worker.sandbox.demo import ledger, outcomes, report, retries
+from charge_worker.sandbox.demo.periods import Retries
 from charge_worker.sandbox.demo.progress import await_settled, scrape_when_counted
 from charge_worker.sandbox.demo.samples import Published, publish_samples
 from charge_worker.sandbox.demo.workers import (
@@ -43,6 +48,7 @@ from charge_worker.sandbox.demo.workers import (
     WorkerProcess,
     demo_settings,
     describe,
+    retry_schedule,
 )
 from charge_worker.sandbox.embedded import NatsServer, PostgresServer
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
@@ -145,10 +151,13 @@ async def _collect(
 ) -> report.Story:
     """Read every witness, once the workers have stopped."""
     gateway, scoring = settings.gateway.url, settings.scoring.url
+    period, order_ids = published.period, published.order_ids
     return report.Story(
         published=published,
         all_final=all_final,
-        rows=await report.ledger_rows(conn, published.period, published.order_ids),
+        rows=await ledger.ledger_rows(conn, period, order_ids),
+        tries=await ledger.earlier_tries(conn, period, order_ids),
+        retries=Retries(settings.retries.retry_schedule, frozenset({published.action_order})),
         gateway_charges=(await report.sim_json(http, f"{gateway}/_sim/charges"))["data"],
         gateway_stats=await report.sim_json(http, f"{gateway}/_sim/stats"),
         scoring_stats=await report.sim_json(http, f"{scoring}/_sim/stats"),
@@ -201,11 +210,34 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=5.0))
         await _start_workers(js, cfg, workers, http)
 
+        conn = await asyncpg.connect(database_url)
+        stack.push_async_callback(conn.close)
+        _step(
+            "waiting until every charge is final or waits for its next try, none unacked"
+            f" (at most {SETTLE_TIMEOUT_S:g} s)"
+        )
+        await await_settled(
+            js,
+            conn,
+            cfg,
+            published,
+            workers,
+            timeout_s=SETTLE_TIMEOUT_S,
+            until=ledger.AT_REST,
+            word="final or waiting",
+        )
+        _step("the customer with the expired card updates it; support retries the period")
+        steps = await retries.retry_on_purpose(http, settings, log_dir, published)
+        _step(
+            f"the soft declines' next tries come due (CHARGE_WORKER_RETRY_SCHEDULE="
+            f"{retry_schedule(settings)}); the producer's run starts and publishes them"
+        )
+        steps += await retries.start_due_tries(
+            conn, settings, log_dir, published, external=external
+        )
         _step(
             f"waiting until every charge is final and none unacked (at most {SETTLE_TIMEOUT_S:g} s)"
         )
-        conn = await asyncpg.connect(database_url)
-        stack.push_async_callback(conn.close)
         all_final = await await_settled(
             js, conn, cfg, published, workers, timeout_s=SETTLE_TIMEOUT_S
         )
@@ -232,7 +264,7 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
             workers=results,
             drained=drained,
         )
-        problems = report.print_summary(story)
+        problems = steps + report.print_summary(story)
         if external and not keep:  # the streams are this run's own: leave no litter behind
             names = (cfg.stream, cfg.dlq_stream, cfg.outcomes_stream)
             for name in names:

@@ -1,9 +1,11 @@
 """The demo's sample due charges: ordinary ones, and each kind of trouble the worker absorbs.
 
-Twenty ordinary customers, a card the gateway declines, a customer scoring blocks, a
-duplicate publish (JetStream drops it), the same charge under a new `Nats-Msg-Id` (two
-stream messages, one key: the ledger absorbs it), a conflicting copy (same key, another
-amount) and two poison messages.
+Twenty ordinary customers, a card the gateway declines on every try, a customer scoring
+blocks, a duplicate publish (JetStream drops it), the same charge under a new `Nats-Msg-Id`
+(two stream messages, one key: the ledger absorbs it), a conflicting copy (same key, another
+amount), two poison messages, and three declines whose classes lead to different paths
+(docs/contracts/gateway.md, "Retrying a declined renewal"): a soft one the card recovers
+from on try 2, a hard one, and an expired card that waits for its customer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ ORDINARY = (
 CURRENCIES = ("RUB", "EUR", "USD")
 DECLINED_CUSTOMER = "cus_decline_carol"  # the gateway simulator declines cus_decline*
 BLOCKED_CUSTOMER = "cus_block_mallory"  # the scoring simulator blocks cus_block*
+# the gateway simulator's cards (sandbox/gateway/cards.py)
+SOFT_CUSTOMER = "cus_soft2_dan"  # insufficient_funds on try 1, charged on try 2
+HARD_CUSTOMER = "cus_code_stolen_card_victor"  # stolen_card: hard, never tried again
+ACTION_CUSTOMER = "cus_code_expired_card_wendy"  # expired_card: waits for the customer
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class Published:
     declined_order: int
     blocked_order: int
     conflict_order: int
+    soft_order: int
+    hard_order: int
+    action_order: int
 
 
 def sample(order_id: int, customer: str, amount_minor: int, currency: str) -> ChargeDue:
@@ -122,12 +131,31 @@ async def publish_samples(js: JetStreamContext, subject: str, order_base: int) -
     zero = json.loads(sample(last + 3, "cus_zero", 1, "RUB").to_json()) | {"amount_minor": 0}
     seq = await put(json.dumps(zero).encode(), "demo:poison:zero")
     _line(f"order {last + 3} with amount 0", f"seq {seq}: poison")
+    declines = [
+        (sample(last + 4, SOFT_CUSTOMER, 4900, "EUR"), "insufficient_funds on try 1 only"),
+        (sample(last + 5, HARD_CUSTOMER, 7500, "USD"), "stolen_card: a hard decline"),
+        (sample(last + 6, ACTION_CUSTOMER, 12900, "RUB"), "expired_card: the customer must act"),
+    ]
+    for charge, what in declines:
+        seq = await put(charge.to_json(), charge.msg_id)
+        _line(f"order {charge.order_id}: {charge.customer_id}", f"seq {seq}: {what}")
+    soft, hard, action = (charge.order_id for charge, _ in declines)
 
     return Published(
         period=PERIOD,
-        order_ids=(*(c.order_id for c in ordinary), declined.order_id, blocked.order_id),
+        order_ids=(
+            *(c.order_id for c in ordinary),
+            declined.order_id,
+            blocked.order_id,
+            soft,
+            hard,
+            action,
+        ),
         messages=len(written),
         declined_order=declined.order_id,
         blocked_order=blocked.order_id,
         conflict_order=amended.order_id,
+        soft_order=soft,
+        hard_order=hard,
+        action_order=action,
     )

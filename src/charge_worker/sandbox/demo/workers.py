@@ -1,9 +1,10 @@
 """The demo's workers: their settings, and `charge-worker run` as child processes.
 
-`demo_settings` gives short timings that still pass the cross-field rules. Each worker gets
-them as environment variables (nothing inherited from the caller's `CHARGE_WORKER_*` or
-server addresses), runs in the log directory (so no stray `.env` is read), writes its JSON
-log to a file there and serves `/metrics` on its own port.
+`demo_settings` gives short timings that still pass the cross-field rules, a retry schedule
+of seconds instead of days among them. Each worker gets them as environment variables
+(nothing inherited from the caller's `CHARGE_WORKER_*` or server addresses), runs in the log
+directory (so no stray `.env` is read), writes its JSON log to a file there and serves
+`/metrics` on its own port. `run_cli` runs another command (`produce`, `retry`) the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from charge_worker.settings import (
     HttpSettings,
     LogSettings,
     NatsSettings,
+    RetrySettings,
     ScoringSettings,
     Settings,
     WorkerSettings,
@@ -41,6 +43,8 @@ from charge_worker.settings import (
 
 WORKERS = 2
 READY_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 5.0  # the demo's retry schedule: one retry, 5 s after a soft decline
+CLI_TIMEOUT_S = 60.0
 SERVER_VARS = ("NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY", "SCORING_URL")
 
 Labels = frozenset[tuple[str, str]]
@@ -67,6 +71,7 @@ def demo_settings(
 
     The scoring timeout (9 s) outlasts the incident's 6-8 s tail, so a slow verdict is
     waited for past the 5 s AckWait: only heartbeats keep such a message from redelivery.
+    A soft decline is retried once, `RETRY_AFTER_S` later (the product's default: 1d,3d,5d,7d).
     With a server of your own (`external`) the streams get names of their own, once per run.
     """
     tag = secrets.token_hex(3)
@@ -109,6 +114,7 @@ def demo_settings(
         ),
         http=_isolated(HttpSettings, http_host="127.0.0.1", metrics_port=0),
         log=_isolated(LogSettings, log_format="json"),
+        retries=_isolated(RetrySettings, retry_schedule=(RETRY_AFTER_S,)),
     )
 
 
@@ -120,8 +126,14 @@ def describe(settings: Settings) -> str:
         f"AckWait {nats.ack_wait_s:g} s, backoff {backoff} s, max_deliver {nats.max_deliver}, "
         f"heartbeat every {settings.heartbeat_s:.2g} s, scoring timeout "
         f"{settings.scoring.scoring_timeout_s:g} s, lease {worker.lease_s:g} s, "
-        f"{WORKERS} workers x concurrency {worker.concurrency}"
+        f"{WORKERS} workers x concurrency {worker.concurrency}, "
+        f"retry schedule {retry_schedule(settings)}"
     )
+
+
+def retry_schedule(settings: Settings) -> str:
+    """CHARGE_WORKER_RETRY_SCHEDULE as set, in seconds."""
+    return ",".join(f"{step:g}s" for step in settings.retries.retry_schedule) or "(none)"
 
 
 def _env_value(value: object) -> str:
@@ -152,6 +164,37 @@ def metric(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, have), v in samples.items() if n == name and wanted <= have)
 
 
+def child_env(settings: Settings) -> dict[str, str]:
+    """The environment of a `charge-worker` child: the caller's, without its own settings
+    and server addresses, and `settings` as variables."""
+    inherited = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(ENV_PREFIX) and key not in SERVER_VARS
+    }
+    return inherited | settings_env(settings)
+
+
+async def run_cli(settings: Settings, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`charge-worker ARGS` as a child process with the demo's settings, run in `cwd`; its
+    exit status and output, once it ends (`DemoFailed` if that takes `CLI_TIMEOUT_S`)."""
+    command = [sys.executable, "-m", "charge_worker", *args]
+    try:
+        return await asyncio.to_thread(
+            subprocess.run,
+            command,
+            env=child_env(settings),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise DemoFailed(f"charge-worker {' '.join(args)} ran {CLI_TIMEOUT_S:g} s") from error
+
+
 class WorkerProcess:
     """One `python -m charge_worker run` child with a log file and a `/metrics` port."""
 
@@ -160,12 +203,7 @@ class WorkerProcess:
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"
         self._cwd = log_dir
-        inherited = {
-            key: value
-            for key, value in os.environ.items()
-            if not key.startswith(ENV_PREFIX) and key not in SERVER_VARS
-        }
-        self._env = inherited | settings_env(settings)
+        self._env = child_env(settings)
         self._env[env_name(HttpSettings, "metrics_port")] = str(self.port)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
