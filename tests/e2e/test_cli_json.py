@@ -23,12 +23,13 @@ from tests.support.cli import Ran, cli
 from tests.support.harness import PERIOD
 
 # every command that prints a result (the others serve, or tell a story: run, webhooks,
-# sandbox *, demo)
+# sandbox *, demo); `retry --json` itself: tests/integration/test_retry_command.py
 RESULT_COMMANDS = [
     ["migrate"],
     ["provision"],
     ["maintain"],
     ["produce"],
+    ["retry"],
     ["reconcile"],
     ["explain"],
     ["dlq", "list"],
