@@ -2,8 +2,9 @@
 
 Its SQL block ("PostgreSQL roles") is run as written (tests/support/grants.py): `migrate`
 as the schema owner, then `produce`, `run` (its relay publishing the outcome event),
-`webhooks`, `reconcile`, `explain` and `dlq` as the worker role. Each must do its work; then a
-grant taken away turns `/readyz` of `run` and `webhooks` to 503, naming the table.
+`retry` (of a period waiting for its customer, whose try 2 `run` then claims), `webhooks`,
+`reconcile`, `explain` and `dlq` as the worker role. Each must do its work; then a grant
+taken away turns `/readyz` of `run` and `webhooks` to 503, naming the table.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from tests.support.harness import WorkerProcess, eventually, settings_env, setti
 from tests.support.producer import DAY, Sub, add_subscriptions
 from tests.support.webhooks import SECRET, WebhooksProcess, event, settled
 
-pytestmark = pytest.mark.slow  # seven commands, each a Python process
+pytestmark = pytest.mark.slow  # eight commands, each a Python process
+EXPIRED = "cus_code_expired_card_2"  # the gateway simulator declines it: the customer must act
 
 
 @dataclass
@@ -92,7 +94,9 @@ async def test_every_command_works_with_exactly_the_readme_grants(
     env = settings_env(settings) | {"CHARGE_WORKER_LOG_FORMAT": "json"}
     worker = webhooks = None
     try:
-        await add_subscriptions(roles.owner_url, Sub("sub_1", 1))  # the billing system's row
+        await add_subscriptions(  # the billing system's rows
+            roles.owner_url, Sub("sub_1", 1), Sub("sub_2", 2, customer_id=EXPIRED)
+        )
 
         produced = await cli("produce", "--date", DAY.isoformat(), "--json", env=env)
         assert produced.returncode == 0, produced.stderr
@@ -106,6 +110,19 @@ async def test_every_command_works_with_exactly_the_readme_grants(
             return status == "succeeded"
 
         await eventually(charged, "the due charge made by the worker")
+
+        async def waits(try_no: int) -> bool:
+            row = await owner.fetchrow(
+                "SELECT status, current_try FROM charge_attempts WHERE order_id = 2"
+            )
+            return row is not None and tuple(row) == ("action_required", try_no)
+
+        await eventually(lambda: waits(1), "try 1 declined: the customer must act")
+        retried = await cli("retry", "2", DAY.isoformat(), "--json", env=env)
+        assert retried.returncode == 0, retried.stderr
+        started = json.loads(retried.stdout)
+        assert (started["try"], started["published"]) == (2, True)
+        await eventually(lambda: waits(2), "try 2 claimed and declined by the worker")
 
         async def relayed() -> bool:
             sent = await owner.fetchval(
