@@ -314,6 +314,9 @@ def judge(
         "outcome_events": len(facts.events),
         "outcome_events_unsent": sum(facts.unsent.values()),
         "events_of_lost_commits": verdict.outcomes[outcome_events.LOST_COMMIT],
+        # the tries after the first the ledger's periods started (`tries_started` of the
+        # producers' runs must add up to it)
+        "ledger_tries_started": sum(r["current_try"] - 1 for r in facts.rows.values()),
         # gateway charges by the try they were sent as: {1: n, 2: n, ...}
         "gateway_charges_by_try": dict(
             sorted(Counter(_try(c) for cs in facts.charges.values() for c in cs).items())

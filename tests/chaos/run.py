@@ -233,7 +233,8 @@ async def _produce(system: Cluster) -> None:
 async def _producers(system: Cluster, count: int, rng: random.Random, stop: asyncio.Event) -> None:
     """`count` runs of `charge-worker produce` at once, again every 0.5-1 s until `stop`:
     each starts the tries that came due and publishes them (nothing else is due after the
-    first run). Their figures go to the chronicle's: runs, failed runs, tries started."""
+    first run). Their figures go to the chronicle's: runs, failed runs, tries started,
+    messages JetStream dropped as another run's."""
     figures = system.chronicle.figures
     while count and not stop.is_set():
         runs = await asyncio.gather(
@@ -245,10 +246,13 @@ async def _producers(system: Cluster, count: int, rng: random.Random, stop: asyn
         for done in runs:
             figures["produce_runs"] = figures.get("produce_runs", 0) + 1
             try:
-                started = int(json.loads(done.stdout)["tries_started"])
+                summary = json.loads(done.stdout)
+                started, dropped = int(summary["tries_started"]), int(summary["deduplicated"])
             except (ValueError, KeyError, TypeError):
-                started = 0
+                started, dropped = 0, 0
             figures["tries_started"] = figures.get("tries_started", 0) + started
+            # a message another run published too, dropped by JetStream: runs overlapped
+            figures["produce_deduplicated"] = figures.get("produce_deduplicated", 0) + dropped
             if done.returncode != 0:
                 figures["produce_failed"] = figures.get("produce_failed", 0) + 1
                 system.chronicle("producer", f"exit {done.returncode}: {_summary(done)}")

@@ -8,9 +8,13 @@ from typing import Any
 
 import pytest
 
+from charge_worker.declines import decline_class
+from charge_worker.retries.schedule import after_decline
+from charge_worker.sandbox.gateway import cards
 from tests.chaos.checker import FATAL, Facts, judge
-from tests.chaos.generator import Entry
+from tests.chaos.generator import Entry, plan
 from tests.chaos.outcome_events import LOST_COMMIT
+from tests.chaos.scenarios import RETRY_SCHEDULE
 from tests.support.outcomes import Outcome
 
 KEY = "1:2026-12-01"
@@ -351,3 +355,26 @@ def test_the_events_must_tell_each_try(events: list[Outcome]) -> None:
     charges = [_soft(1), _soft(2), _soft(3, "ch_won")]
     row = _row("succeeded", "ch_won", outcome_seq=len(events), current_try=3)
     assert _tried(SOFT, charges, row, events) == ["outcome_wrong_try"]
+
+
+def test_the_retries_oracle_is_what_the_simulator_and_the_schedule_make_of_each_card() -> None:
+    """Each key the generator draws for the retries family, tried the way the worker and
+    the producer would: the simulator's answer on each try (`cards.decline_code`), the
+    product's decision after a decline (`after_decline`), until the period ends."""
+    schedule = RETRY_SCHEDULE
+    entries = [e for e in plan(7, 400, retry_schedule=schedule) if e.poison is None]
+    drawn = Counter(e.expect for e in entries)
+    assert {"charged_once", "declined", "action_required", "blocked"} <= set(drawn)
+    assert max(e.tries for e in entries) == 1 + len(schedule)
+    for entry in (e for e in entries if e.expect != "blocked"):
+        assert entry.customer is not None
+        for attempt in range(1, entry.tries + 1):
+            code = cards.decline_code(entry.customer, {"attempt": str(attempt)})
+            if code is None:
+                outcome = "charged_once"
+                break
+            after = after_decline(decline_class(code), attempt, schedule)
+            outcome = after.status
+            if outcome != "retry_scheduled":
+                break
+        assert (outcome, attempt) == (entry.expect, entry.tries), entry
