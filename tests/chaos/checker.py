@@ -338,7 +338,7 @@ FINAL_CLASSES = frozenset({"hard", "customer_action"})  # never sent again autom
 
 def _made(charge: dict[str, Any]) -> bool:
     """A charge that took money, refunded since or not (a refund keeps it `succeeded`)."""
-    return charge["status"] == "succeeded"
+    return bool(charge["status"] == "succeeded")
 
 
 def _captured(charge: dict[str, Any]) -> bool:

@@ -265,7 +265,8 @@ def _tried(
     row: dict[str, Any],
     events: list[Outcome],
 ) -> list[str]:
-    facts = Facts({KEY: charges}, {KEY: row}, [], Counter(), 0, [], Counter(), _stream(*events))  # type: ignore[arg-type]
+    rows: dict[str, Any] = {KEY: row}  # read by column, as the checker reads a Record
+    facts = Facts({KEY: charges}, rows, [], Counter(), 0, [], Counter(), _stream(*events))
     verdict = judge([entry], facts, tries_allowed=RETRIES)
     return [outcome for _, outcome, _ in verdict.fatal] or list(verdict.outcomes)
 
