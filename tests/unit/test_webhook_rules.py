@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from charge_worker.webhooks.rules import (
@@ -216,3 +218,162 @@ def test_a_snapshot_without_our_metadata_and_no_row_holding_it_is_stale() -> Non
     foreign = Snapshot("charge.refunded", "pi_9", 2, "succeeded", True, 1500, keyed=False)
     decision = decide(foreign, None)
     assert isinstance(decision, Stale), decision
+
+
+# --- tries: money of any try is the period's; only the current try's decline is its own ----
+
+SCHEDULE = (600.0, 1200.0)
+
+
+def try_snapshot(kind: str, attempt: int, *, code: str | None = None, **kw: Any) -> Snapshot:
+    status = {"charge.failed": "failed"}.get(kind, "succeeded")
+    base = snapshot(kind, status, **kw)
+    return Snapshot(
+        base.event_type,
+        base.charge_id,
+        base.revision,
+        base.status,
+        base.refunded,
+        base.amount_refunded,
+        fingerprint=base.fingerprint,
+        attempt=attempt,
+        decline_code=code,
+    )
+
+
+def at_try(status: str, current_try: int, *, lease_free: bool = True) -> Row:
+    return Row(status, None, None, lease_free, fingerprint=OURS, current_try=current_try)
+
+
+TRIES: dict[str, tuple[Snapshot, Row, type[Decision], str | None]] = {
+    "try 2's charge recorded for the period at try 2": (
+        try_snapshot("charge.succeeded", 2),
+        at_try("pending", 2),
+        Apply,
+        "succeeded",
+    ),
+    "try 1's late capture settles the period at try 2": (
+        try_snapshot("charge.succeeded", 1),
+        at_try("pending", 2),
+        Apply,
+        "succeeded",
+    ),
+    "an earlier try's decline does not decline the current try": (
+        try_snapshot("charge.failed", 1, code="insufficient_funds"),
+        at_try("pending", 2),
+        Unchanged,
+        None,
+    ),
+    "an earlier try's decline does not schedule a waiting period again": (
+        try_snapshot("charge.failed", 1, code="insufficient_funds"),
+        at_try("retry_scheduled", 2),
+        Unchanged,
+        None,
+    ),
+    "an earlier try's decline leaves a final period alone": (
+        try_snapshot("charge.failed", 1, code="insufficient_funds"),
+        at_try("declined", 2),
+        Unchanged,
+        None,
+    ),
+    "a decline of a try never started": (
+        try_snapshot("charge.failed", 3),
+        at_try("pending", 2),
+        Review,
+        None,
+    ),
+    "the current try's soft decline schedules the next": (
+        try_snapshot("charge.failed", 2, code="insufficient_funds"),
+        at_try("pending", 2),
+        Apply,
+        "retry_scheduled",
+    ),
+    "the last try's soft decline is final": (
+        try_snapshot("charge.failed", 3, code="insufficient_funds"),
+        at_try("pending", 3),
+        Apply,
+        "declined",
+    ),
+    "the current try's customer-action decline waits for the customer": (
+        try_snapshot("charge.failed", 1, code="expired_card"),
+        at_try("pending", 1),
+        Apply,
+        "action_required",
+    ),
+    "the current try's hard decline is final": (
+        try_snapshot("charge.failed", 2, code="stolen_card"),
+        at_try("pending", 2),
+        Apply,
+        "declined",
+    ),
+    "the current try's decline, recorded already while waiting": (
+        try_snapshot("charge.failed", 2, code="insufficient_funds"),
+        at_try("retry_scheduled", 2),
+        Unchanged,
+        None,
+    ),
+    "money while waiting for the next try: recorded, no next try": (
+        try_snapshot("charge.succeeded", 1),
+        at_try("retry_scheduled", 2),
+        Apply,
+        "succeeded",
+    ),
+    "money while waiting for the customer: recorded": (
+        try_snapshot("charge.succeeded", 2),
+        at_try("action_required", 2),
+        Apply,
+        "succeeded",
+    ),
+    "a dispute while waiting: the money was taken": (
+        try_snapshot("charge.dispute_created", 1),
+        at_try("retry_scheduled", 2),
+        Apply,
+        "succeeded",
+    ),
+    "money of another fingerprint while waiting": (
+        try_snapshot("charge.succeeded", 1, fingerprint=Fingerprint(1, "RUB", "cus_ok")),
+        at_try("retry_scheduled", 2),
+        Review,
+        None,
+    ),
+    "money for a period declined for good: a person (reconcile records it)": (
+        try_snapshot("charge.succeeded", 2),
+        at_try("declined", 2),
+        Review,
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TRIES))
+def test_tries(case: str) -> None:
+    event, row, kind, status = TRIES[case]
+    decision = decide(event, row, schedule=SCHEDULE)
+    assert isinstance(decision, kind), decision
+    if isinstance(decision, Apply):
+        assert decision.status == status
+        if event.status == "failed":
+            assert decision.decline_code == event.decline_code
+
+
+def test_a_soft_decline_scheduled_names_the_wait_before_the_next_try() -> None:
+    decision = decide(
+        try_snapshot("charge.failed", 2, code="insufficient_funds"),
+        at_try("pending", 2),
+        schedule=SCHEDULE,
+    )
+    assert decision == Apply(
+        "retry_scheduled",
+        False,
+        "pending -> retry_scheduled",
+        decline_code="insufficient_funds",
+        retry_in_s=SCHEDULE[1],
+    )
+
+
+def test_a_processing_try_that_fails_follows_the_schedule() -> None:
+    row = Row("processing", "pi_1", 5, lease_free=True, fingerprint=OURS, current_try=1)
+    event = try_snapshot("charge.failed", 1, charge_id="pi_1", revision=6)
+    decision = decide(event, row, schedule=SCHEDULE)
+    assert isinstance(decision, Apply)
+    assert (decision.status, decision.retry_in_s) == ("retry_scheduled", SCHEDULE[0])

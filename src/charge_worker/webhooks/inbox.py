@@ -14,6 +14,7 @@ under a lock timeout) while the rules decide.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,9 +24,12 @@ from asyncpg.pool import PoolConnectionProxy
 
 from charge_worker import events
 from charge_worker.database import translated
+from charge_worker.declines import decline_class
 from charge_worker.errors import GuardRefused, LeaseHeld, MalformedDelivery
+from charge_worker.gateway.results import try_of
 from charge_worker.webhooks.metrics import OPEN_STATUSES
 from charge_worker.webhooks.rules import (
+    DECLINES,
     Apply,
     Decision,
     Fingerprint,
@@ -74,12 +78,17 @@ RETURNING w.id, w.source, w.event_id, w.event_type, w.object_id, w.revision, w.o
           CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'currency') = 'string'
                THEN w.payload -> 'data' -> 'object' ->> 'currency' END AS currency,
           CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'customer') = 'string'
-               THEN w.payload -> 'data' -> 'object' ->> 'customer' END AS customer
+               THEN w.payload -> 'data' -> 'object' ->> 'customer' END AS customer,
+          -- the period's try that made the charge (read as `results.try_of` reads it)
+          CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'metadata') = 'object'
+               THEN w.payload -> 'data' -> 'object' -> 'metadata' ->> 'attempt' END AS try,
+          CASE WHEN jsonb_typeof(w.payload -> 'data' -> 'object' -> 'decline_code') = 'string'
+               THEN w.payload -> 'data' -> 'object' ->> 'decline_code' END AS decline_code
 """
 
 _LEDGER_BY_KEY = """
 SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
-       amount_minor, currency, customer_id,
+       amount_minor, currency, customer_id, current_try,
        (lease_until IS NULL OR lease_until < now()) AS lease_free
   FROM charge_attempts WHERE order_id = $1 AND billing_period = $2
    FOR UPDATE
@@ -87,7 +96,7 @@ SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
 
 _LEDGER_BY_CHARGE = """
 SELECT order_id, billing_period, status, gateway_charge_id, gateway_revision,
-       amount_minor, currency, customer_id,
+       amount_minor, currency, customer_id, current_try,
        (lease_until IS NULL OR lease_until < now()) AS lease_free
   FROM charge_attempts WHERE gateway_charge_id = $1
    FOR UPDATE
@@ -119,14 +128,24 @@ SELECT coalesce(max(revision) FILTER (WHERE status = 'applied'), 0) AS applied,
 # recorded) charge, only from the status decided on, and never under a live worker's lease.
 # An open row found charged with no verdict kept (its worker died mid-call: the verdict is
 # written with the outcome) gets the post-hoc scoring check a deferred verdict has.
+# A decline keeps its code and class (`$9`, `$10`), and `retry_scheduled` its `retry_at` in
+# `$11` seconds; a period waiting for its next try records the charge that holds its money
+# in place of its declined try's (`rules.WAITING`), and its `retry_at` goes.
 _APPLY = """
 WITH updated AS (
 UPDATE charge_attempts
    SET status = coalesce($5, status),
+       decline_code = CASE WHEN $5 IN ('declined', 'retry_scheduled', 'action_required')
+                           THEN $9 ELSE decline_code END,
+       decline_class = CASE WHEN $5 IN ('declined', 'retry_scheduled', 'action_required')
+                            THEN $10 ELSE decline_class END,
+       retry_at = CASE WHEN coalesce($5, status) = 'retry_scheduled'
+                       THEN coalesce(now() + make_interval(secs => $11::float8), retry_at) END,
        scoring = CASE WHEN status IN ('scheduled', 'pending')
                        AND coalesce($5, status) IN ('succeeded', 'processing')
                       THEN coalesce(scoring, 'deferred') ELSE scoring END,
-       gateway_charge_id = coalesce(gateway_charge_id, $3),
+       gateway_charge_id = CASE WHEN status IN ('retry_scheduled', 'action_required') THEN $3
+                                ELSE coalesce(gateway_charge_id, $3) END,
        gateway_revision = $4,
        disputed_at = CASE WHEN $6 THEN coalesce(disputed_at, now()) ELSE disputed_at END,
        review_reason = CASE WHEN $6 AND disputed_at IS NULL
@@ -140,7 +159,8 @@ UPDATE charge_attempts
                          ELSE settled_at END,
        updated_at = now()
  WHERE order_id = $1 AND billing_period = $2 AND status = $8
-   AND (gateway_charge_id IS NULL OR gateway_charge_id = $3)
+   AND (gateway_charge_id IS NULL OR gateway_charge_id = $3
+        OR status IN ('retry_scheduled', 'action_required'))
    AND coalesce(gateway_revision, 0) < $4
    AND (status NOT IN ('scheduled', 'pending') OR lease_until IS NULL OR lease_until < now())
 RETURNING order_id, billing_period, scoring
@@ -224,6 +244,8 @@ class Job:
     amount: int | None = None
     currency: str | None = None
     customer: str | None = None
+    charge_try: int = 1  # the period's try that made the charge (`metadata.attempt`)
+    decline_code: str | None = None  # a failed charge's, when the snapshot says
 
     @property
     def key(self) -> tuple[int, dt.date] | None:
@@ -245,6 +267,8 @@ class Job:
                 state,
                 keyed=keyed,
                 fingerprint=fingerprint,
+                attempt=self.charge_try,
+                decline_code=self.decline_code,
             )
         return Snapshot(
             self.event_type,
@@ -255,6 +279,8 @@ class Job:
             amount_refunded=self.amount_refunded,
             keyed=keyed,
             fingerprint=fingerprint,
+            attempt=self.charge_try,
+            decline_code=self.decline_code,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -277,11 +303,20 @@ class OpenCounts:
 
 
 class Inbox:
-    """The journal on one asyncpg pool."""
+    """The journal on one asyncpg pool. `retry_schedule`: the waits before tries 2, 3, ...
+    (`CHARGE_WORKER_RETRY_SCHEDULE`), which decide what a try's decline leaves its period
+    in (empty: a decline ends the period)."""
 
-    def __init__(self, pool: asyncpg.Pool, *, lock_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        lock_timeout_s: float = 2.0,
+        retry_schedule: Sequence[float] = (),
+    ) -> None:
         self.pool = pool
         self.lock_timeout = f"{int(lock_timeout_s * 1000)}ms"
+        self.retry_schedule = tuple(retry_schedule)
 
     async def journal(self, entry: Entry) -> bool:
         """Record the event once; False when it was journaled before (a redelivery)."""
@@ -326,6 +361,8 @@ class Inbox:
                 None if r["amount"] is None else int(r["amount"]),
                 r["currency"],
                 r["customer"],
+                try_of({"attempt": r["try"]}),
+                r["decline_code"] if r["object_status"] == "failed" else None,
             )
             for r in rows
         ]
@@ -356,6 +393,7 @@ class Inbox:
                     Fingerprint.of(
                         record["amount_minor"], record["currency"], record["customer_id"]
                     ),
+                    record["current_try"],
                 )
             )
             decision = decide(
@@ -364,6 +402,7 @@ class Inbox:
                 confirmed=confirmed_status is not None,
                 newest_applied=newest["applied"],
                 newest_known=newest["known"],
+                schedule=self.retry_schedule,
             )
             if isinstance(decision, Wait):
                 if wait_s is not None:
@@ -474,6 +513,9 @@ class _Held:
             decision.disputed,
             f"gateway: dispute opened on {job.charge_id}",
             record["status"],
+            decision.decline_code,
+            decline_class(decision.decline_code) if decision.status in DECLINES else None,
+            decision.retry_in_s,
         )
         if updated != 1:  # the row is locked: only a bug in the rules gets here
             raise GuardRefused(f"the guarded ledger update matched no row ({decision.change})")

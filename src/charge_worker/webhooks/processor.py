@@ -223,7 +223,12 @@ class Processor:
         charge = next((c for c in found if c.id == job.charge_id), None)
         if charge is not None:  # what the gateway holds proves (or not) the fingerprint
             job = dataclasses.replace(
-                job, amount=charge.amount, currency=charge.currency, customer=charge.customer
+                job,
+                amount=charge.amount,
+                currency=charge.currency,
+                customer=charge.customer,
+                charge_try=charge.attempt,
+                decline_code=charge.decline_code or job.decline_code,
             )
         if charge is None:
             held = ", ".join(f"{c.id} {state_of(c.status, refunded=c.refunded)}" for c in found)
@@ -278,9 +283,10 @@ class Processor:
 
 
 def refetched(job: Job, charge: GatewayCharge, *, revision: int) -> Job:
-    """The job as the re-fetched object says: its state and refund, its key from the
-    metadata when the event had none, and `revision`, the fetch's moment by the database's
-    clock (`Inbox.revision_or_wait`: never a pod's, which may run ahead)."""
+    """The job as the re-fetched object says: its state and refund, its try and decline
+    code, its key from the metadata when the event had none, and `revision`, the fetch's
+    moment by the database's clock (`Inbox.revision_or_wait`: never a pod's, which may run
+    ahead)."""
     key = job.key
     if key is None and charge.order_id and charge.order_id.isdigit() and charge.billing_period:
         with contextlib.suppress(ValueError):
@@ -294,6 +300,8 @@ def refetched(job: Job, charge: GatewayCharge, *, revision: int) -> Job:
         amount=charge.amount,
         currency=charge.currency,
         customer=charge.customer,
+        charge_try=charge.attempt,
+        decline_code=charge.decline_code,
         revision=revision,
         order_id=order_id,
         billing_period=period,

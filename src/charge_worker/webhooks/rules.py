@@ -16,6 +16,12 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 | any                                  | partly refunded                | review                  |
 | none, and no metadata of ours        | any                            | stale (not ours)        |
 | none yet                             | any                            | wait                    |
+| at try n                             | failed, of an earlier try      | applied, no change      |
+|                                      | failed, of a try after n       | review                  |
+| `retry_scheduled`/`action_required`  | failed                         | applied, no change      |
+| (waiting for the next try)           | another fingerprint            | review (unmatched)      |
+|                                      | succeeded / a dispute /        | succeeded / processing  |
+|                                      | processing / refunded in full  | / refunded: no next try |
 | holds another charge id              | newer revision already applied | stale                   |
 |                                      | succeeded, or a dispute        | review (double charge)  |
 |                                      | refunded / failed              | applied, no change      |
@@ -32,6 +38,16 @@ still read the same way: journal rows written before an upgrade, and a gateway n
 |                                      |                                | refunded                |
 | `failed`                             | failed                         | record the revision     |
 | anything else                        | any                            | review                  |
+
+A charge's try is its metadata's `attempt` (absent: 1); the row holds the period's current
+try (`current_try`). As in the worker's lookup, money of any try is the period's, and only the
+current try's failed charge is its decline: it leaves the period in the state the retry
+schedule says (`retries.schedule.after_decline`: `retry_scheduled`, `action_required` or
+`declined`, with the decline code the snapshot names). An earlier try's decline was recorded
+when that try ended: it changes nothing. A period waiting for its next try that turns out to
+hold money (a charge of any try, proven by its fingerprint) is recorded with it, so the next
+try never starts; a `declined` one is final, and a charge found for it is reviewed (reconcile
+records it).
 
 `processing` (a Stripe PaymentIntent the bank settles days later) is a snapshot's state like
 the others: an open row records it as `processing` (still not final), and a `processing` row
@@ -53,8 +69,12 @@ a worker's live lease holds the row (the worker will record it: keep waiting).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
+
+from charge_worker.declines import decline_class
+from charge_worker.retries.schedule import after_decline
 
 # the charge's state (`state_of`) -> the ledger status that records it
 LEDGER_STATUS = {
@@ -74,6 +94,8 @@ EVENT_TYPES = frozenset(
 )
 DISPUTE = "charge.dispute_created"
 OPEN = frozenset({"scheduled", "pending"})
+WAITING = frozenset({"retry_scheduled", "action_required"})  # for the period's next try
+DECLINES = frozenset({"declined", *WAITING})  # what a try's decline leaves a period in
 
 
 def state_of(status: str, *, refunded: bool) -> str:
@@ -107,7 +129,8 @@ class Snapshot:
     """What an event says: charge `charge_id` had gateway `status` at `revision`, with
     `amount_refunded` (minor units) of it refunded, all of it when `refunded`; `keyed`: it
     carries our `order_id`/`billing_period` metadata; `fingerprint` its amount, currency
-    and customer (None when the event does not say)."""
+    and customer (None when the event does not say); `attempt` the period's try that made it
+    (`metadata.attempt`, absent: 1); `decline_code` a failed one's, when it says."""
 
     event_type: str
     charge_id: str
@@ -117,6 +140,8 @@ class Snapshot:
     amount_refunded: int = 0
     keyed: bool = True
     fingerprint: Fingerprint | None = None
+    attempt: int = 1
+    decline_code: str | None = None
 
     @property
     def state(self) -> str:
@@ -133,15 +158,19 @@ class Row:
     revision: int | None
     lease_free: bool
     fingerprint: Fingerprint | None = None  # what the row is due: amount, currency, customer
+    current_try: int = 1
 
 
 @dataclass(frozen=True)
 class Apply:
-    """Write the snapshot: its revision, the charge id, `status` (None: unchanged), a dispute."""
+    """Write the snapshot: its revision, the charge id, `status` (None: unchanged), a dispute;
+    a decline's code, and with `retry_scheduled` the wait before the next try."""
 
     status: str | None
     disputed: bool
     change: str
+    decline_code: str | None = None
+    retry_in_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,13 +218,18 @@ def decide(
     confirmed: bool = False,
     newest_applied: int = 0,
     newest_known: int = 0,
+    schedule: Sequence[float] = (),
 ) -> Decision:
     """The decision for `event` against `row`. Of the other events about this charge object
     in the journal, `newest_applied` is the newest revision applied (it matters for charges
-    the row does not hold), `newest_known` the newest journaled, whatever its status."""
+    the row does not hold), `newest_known` the newest journaled, whatever its status.
+    `schedule`: the waits before tries 2, 3, ... (`CHARGE_WORKER_RETRY_SCHEDULE`), which
+    decide what the current try's decline leaves the period in."""
     decision = _decide(
         event, row, confirmed=confirmed, newest_applied=newest_applied, newest_known=newest_known
     )
+    if isinstance(decision, Apply) and decision.status == "declined" and row is not None:
+        decision = _after_decline(event, row, decision, schedule)
     if confirmed and isinstance(decision, Wait) and not decision.worker_owned:
         return Review(f"still unresolved after a gateway lookup: {decision.why}")
     return decision
@@ -215,10 +249,62 @@ def _decide(
         )
     if row is None:
         return Wait("no ledger row for this charge's order and period yet")
+    return _on_row(event, row, target, confirmed=confirmed, newest_applied=newest_applied)
+
+
+def _on_row(
+    event: Snapshot, row: Row, target: str, *, confirmed: bool, newest_applied: int
+) -> Decision:
+    if target == "declined" and event.attempt != row.current_try:
+        return _another_try(event, row)
     dispute = event.event_type == DISPUTE
+    if row.status in WAITING:
+        return _waiting(event, row, target, dispute)
     if row.charge_id is not None and row.charge_id != event.charge_id:
         return _other_charge(event, row, target, dispute, newest_applied)
     return _this_charge(event, row, target, dispute, confirmed=confirmed)
+
+
+def _another_try(event: Snapshot, row: Row) -> Decision:
+    """A decline of a try that is not the period's current one."""
+    if event.attempt < row.current_try:  # recorded when that try ended
+        return Unchanged(
+            f"{event.charge_id} is try {event.attempt}'s decline; the period is at try "
+            f"{row.current_try} ({row.status})"
+        )
+    return Review(
+        f"{event.charge_id} is a decline of try {event.attempt}, which was never started; "
+        f"the period is at try {row.current_try} ({row.status})"
+    )
+
+
+def _waiting(event: Snapshot, row: Row, target: str, dispute: bool) -> Decision:
+    """A period waiting for its next try (`retry_scheduled`, `action_required`): its current
+    try's decline is recorded already. A charge that made money (or that the bank still
+    settles, or refunded since: made all the same, as the worker's lookup reads it) means
+    the period must never be tried again: recorded, once its fingerprint proves it the
+    period's (a dispute too: the money was taken)."""
+    if target == "declined":
+        return Unchanged(f"the ledger has try {row.current_try}'s decline ({row.status})")
+    if event.fingerprint is None:  # a bare snapshot: the lookup after the wait proves it
+        return Wait(f"{event.charge_id} does not say its amount, currency and customer")
+    if (unmatched := _unmatched(event, row)) is not None:
+        return unmatched
+    return Apply(target, dispute, f"{row.status} -> {target}: the period holds money, no next try")
+
+
+def _after_decline(event: Snapshot, row: Row, decision: Apply, schedule: Sequence[float]) -> Apply:
+    """The current try's decline, written as the worker writes it: the state its class and
+    the try's number leave the period in, its code and the wait before the next try."""
+    after = after_decline(decline_class(event.decline_code), row.current_try, schedule)
+    change = decision.change.removesuffix("declined") + after.status
+    return Apply(
+        after.status,
+        decision.disputed,
+        change,
+        decline_code=event.decline_code,
+        retry_in_s=after.retry_in_s,
+    )
 
 
 def _refused(event: Snapshot, newest_known: int) -> Decision | None:
