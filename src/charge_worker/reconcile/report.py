@@ -76,9 +76,10 @@ class Counts:
 
     `double_charges` counts proven extra charges (beyond the one kept per key), so
     `double_charges - refunds` is what is still owed back after a real run.
-    `unrecorded_charges` counts keys the ledger said no to that the gateway charged (with a
-    charge matching the row), `ledger_repaired` those now recorded. `unmatched_charges`
-    counts captured charges not proven a key's own, left for a person. `adopted` counts
+    `unrecorded_charges` counts keys the ledger said no to (or whose period waits for its next
+    try) that the gateway charged (with a charge matching the row, of any try),
+    `ledger_repaired` those now recorded. `unmatched_charges` counts captured charges not
+    proven a key's own, left for a person. `adopted` counts
     charges the gateway made that the ledger had forgotten, recorded now, for rows whose
     message was gone; `adopted_rows` those for keys whose row was lost altogether (a
     database failover), recorded from their subscription. `still_waiting` counts quiet open rows
@@ -273,8 +274,9 @@ def write_metrics(report: Report, path: Path) -> None:
         ),
         "refunds": ("Extra charges refunded (last run).", counts.refunds),
         "unrecorded_charges": (
-            "Keys the ledger records as declined, failed or blocked that the gateway charged,"
-            " with a charge matching the row (last run).",
+            "Keys the ledger records as declined, failed, blocked, retry_scheduled or"
+            " action_required that the gateway charged, with a charge matching the row"
+            " (last run).",
             counts.unrecorded_charges,
         ),
         "ledger_repaired": (
