@@ -53,9 +53,10 @@ def _decline(code: str | None, klass: str | None) -> str:
 
 def _followed(earlier: EarlierTry, order_id: int, retries: Retries) -> str:
     """What followed an earlier try: the next one, started how."""
-    if order_id in retries.on_purpose and earlier.decline_class == "customer_action":
-        return "waited for the customer; support retried on purpose (charge-worker retry)"
-    return "retry scheduled; charge-worker produce started the next try when it came due"
+    if order_id not in retries.on_purpose:
+        return "retry scheduled; charge-worker produce started the next try when it came due"
+    waited = "waited for the customer; " if earlier.decline_class == "customer_action" else ""
+    return f"{waited}support retried on purpose (charge-worker retry)"
 
 
 def _current(row: LedgerRow, retries: Retries) -> str:
@@ -74,13 +75,15 @@ def _current(row: LedgerRow, retries: Retries) -> str:
     return row.status
 
 
-def headline(row: LedgerRow, retries: Retries, sent: int) -> str:
+def headline(row: LedgerRow, earlier: Sequence[EarlierTry], retries: Retries, sent: int) -> str:
     """The period's fate in a few words."""
     tries = f"{sent} {'try' if sent == 1 else 'tries'} at the gateway"
     if row.status in CHARGED and row.current_try > 1:
-        if row.order_id in retries.on_purpose:
-            return f"charged on try {row.current_try}, retried on purpose after the customer acted"
-        return f"recovered on try {row.current_try} by the retry schedule"
+        if row.order_id not in retries.on_purpose:
+            return f"recovered on try {row.current_try} by the retry schedule"
+        acted = any(t.decline_class == "customer_action" for t in earlier)
+        after = " after the customer acted" if acted else ""
+        return f"charged on try {row.current_try}, retried on purpose{after}"
     if row.status == "declined" and row.decline_class == "hard":
         return f"a hard decline, never retried ({tries})"
     if row.status == "declined":
@@ -114,7 +117,7 @@ def print_periods(
         on_gateway = sent[f"{row.order_id}:{period}"]
         click.echo(
             f"{INDENT}order {row.order_id} {row.customer_id} ({money}):"
-            f" {headline(row, retries, on_gateway)}"
+            f" {headline(row, tries.get(row.order_id, []), retries, on_gateway)}"
         )
         for earlier in tries.get(row.order_id, []):
             what = _decline(earlier.decline_code, earlier.decline_class)

@@ -10,7 +10,7 @@
   scheduled rows of every other period in it too.
 
 Each command is a child process with the workers' settings (`workers.run_cli`). Each step
-returns the expectations it broke.
+returns the expectations it broke, and the orders it retried on purpose.
 """
 
 from __future__ import annotations
@@ -56,14 +56,18 @@ async def _retry(settings: Settings, cwd: Path, order_id: int, published: Publis
     return []
 
 
+Step = tuple[list[str], list[int]]  # the expectations broken, the orders retried on purpose
+
+
 async def retry_on_purpose(
     http: httpx.AsyncClient, settings: Settings, cwd: Path, published: Published
-) -> list[str]:
+) -> Step:
     """The customer fixes their card; support retries the period now."""
     knob = {"succeeds_on_try": {ACTION_CUSTOMER: 2}}
     (await http.post(f"{settings.gateway.url}/_sim/config", json=knob)).raise_for_status()
     click.echo(f"    {ACTION_CUSTOMER} updates the card (gateway simulator: {json.dumps(knob)})")
-    return await _retry(settings, cwd, published.action_order, published)
+    problems = await _retry(settings, cwd, published.action_order, published)
+    return problems, [published.action_order]
 
 
 async def _await_due(conn: asyncpg.Connection, published: Published) -> list[int]:
@@ -84,27 +88,27 @@ async def start_due_tries(
     published: Published,
     *,
     external: bool,
-) -> list[str]:
+) -> Step:
     """Once the soft declines' next tries are due, start and publish them."""
     due = await _await_due(conn, published)
     click.echo(f"    due now: orders {', '.join(map(str, due)) or 'none'}")
     if external:
         click.echo("    (a database of your own: each started with charge-worker retry)")
-        return [
-            problem
-            for order_id in due
-            for problem in await _retry(settings, cwd, order_id, published)
-        ]
+        problems = []
+        for order_id in due:
+            problems += await _retry(settings, cwd, order_id, published)
+        return problems, due
     click.echo("    $ charge-worker produce --json")
     result = await run_cli(settings, cwd, "produce", "--json")
     if result.returncode != 0:
         _echo(result)
-        return [f"charge-worker produce exited {result.returncode}"]
+        return [f"charge-worker produce exited {result.returncode}"], []
     summary = json.loads(result.stdout)
+    started = summary["tries_started"]
     click.echo(
-        f"    | next tries started: {summary['tries_started']}, published:"
-        f" {summary['published']}, postponed by the cap: {summary['tries_postponed']}"
+        f"    | next tries started: {started}, published: {summary['published']},"
+        f" postponed by the cap: {summary['tries_postponed']}"
     )
-    if summary["tries_started"] != len(due):
-        return [f"charge-worker produce started {summary['tries_started']} tries, {len(due)} due"]
-    return []
+    if started != len(due):
+        return [f"charge-worker produce started {started} tries, {len(due)} due"], []
+    return [], []

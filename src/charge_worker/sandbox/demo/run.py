@@ -148,6 +148,7 @@ async def _collect(
     all_final: bool,
     workers: list[report.WorkerResult],
     drained: bool,
+    on_purpose: list[int],
 ) -> report.Story:
     """Read every witness, once the workers have stopped."""
     gateway, scoring = settings.gateway.url, settings.scoring.url
@@ -157,7 +158,7 @@ async def _collect(
         all_final=all_final,
         rows=await ledger.ledger_rows(conn, period, order_ids),
         tries=await ledger.earlier_tries(conn, period, order_ids),
-        retries=Retries(settings.retries.retry_schedule, frozenset({published.action_order})),
+        retries=Retries(settings.retries.retry_schedule, frozenset(on_purpose)),
         gateway_charges=(await report.sim_json(http, f"{gateway}/_sim/charges"))["data"],
         gateway_stats=await report.sim_json(http, f"{gateway}/_sim/stats"),
         scoring_stats=await report.sim_json(http, f"{scoring}/_sim/stats"),
@@ -227,14 +228,15 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
             word="final or waiting",
         )
         _step("the customer with the expired card updates it; support retries the period")
-        steps = await retries.retry_on_purpose(http, settings, log_dir, published)
+        steps, on_purpose = await retries.retry_on_purpose(http, settings, log_dir, published)
         _step(
             f"the soft declines' next tries come due (CHARGE_WORKER_RETRY_SCHEDULE="
             f"{retry_schedule(settings)}); the producer's run starts and publishes them"
         )
-        steps += await retries.start_due_tries(
+        broken, retried = await retries.start_due_tries(
             conn, settings, log_dir, published, external=external
         )
+        steps, on_purpose = steps + broken, on_purpose + retried
         _step(
             f"waiting until every charge is final and none unacked (at most {SETTLE_TIMEOUT_S:g} s)"
         )
@@ -263,6 +265,7 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
             all_final=all_final,
             workers=results,
             drained=drained,
+            on_purpose=on_purpose,
         )
         problems = steps + report.print_summary(story)
         if external and not keep:  # the streams are this run's own: leave no litter behind
