@@ -258,3 +258,16 @@ async def test_the_current_trys_decline_leaves_the_period_as_the_schedule_says(
         assert retry_in_s - 60 < after["retry_in_s"] <= retry_in_s
     story = await db.fetchval("SELECT detail FROM charge_events WHERE kind = 'webhook'")
     assert json.loads(story)["detail"] == f"pending -> {status}"
+
+
+async def test_the_receiver_leaves_a_soft_decline_to_the_configured_schedule(
+    receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    """`charge-worker webhooks` as deployed: its processor knows CHARGE_WORKER_RETRY_SCHEDULE
+    (the default's first step, a day)."""
+    await put_row(db, 1, "pending", try_no=1)
+    failed = try_event("ch_try1", "charge.failed", 1, code="insufficient_funds")
+    assert await delivered(receiver, db, failed) == "applied"
+    after = await row(db, 1)
+    assert after["status"] == "retry_scheduled"
+    assert 86400 - 60 < after["retry_in_s"] <= 86400

@@ -90,7 +90,7 @@ async def run_webhooks(
         gateway = build_gateway(settings.gateway, limiter=limiter)
         resources.push_async_callback(gateway.aclose)
         processor = Processor(
-            Inbox(processor_pool),
+            Inbox(processor_pool, retry_schedule=settings.retries.retry_schedule),
             gateway,
             metrics,
             owner=owner,
