@@ -195,6 +195,8 @@ def test_result_of_keeps_the_retry_delay() -> None:
         ("succeeded", True, 0, "forget"),  # settled: only the ack died with the worker
         ("declined", True, 2, "forget"),
         ("failed", True, 0, "forget"),
+        ("retry_scheduled", True, 0, "forget"),  # the try ended; the producer starts the next
+        ("action_required", True, 0, "forget"),
         (None, True, 0, "requeue"),  # died before the claim
         ("pending", True, 0, "requeue"),
         ("scheduled", True, MAX_EXHAUSTIONS - 2, "requeue"),

@@ -166,9 +166,20 @@ def decide(result: Result, delivery: int, policy: Policy) -> Action:
 
 MAX_EXHAUSTIONS = 3  # copies of one message that may run out of deliveries unsettled
 EXHAUSTED_HEADER = "Charge-Exhausted"  # on a requeued copy: how many copies ran out before
+# processing: settled by the provider's webhook or reconcile, never by a redelivery; a
+# period waiting for its next try: that try comes as a message of its own (retries/starts.py)
 SETTLED_STATUSES = frozenset(
-    {"succeeded", "declined", "blocked", "failed", "refunded", "processing"}
-)  # processing: settled by the provider's webhook or reconcile, never by a redelivery
+    {
+        "succeeded",
+        "declined",
+        "blocked",
+        "failed",
+        "refunded",
+        "processing",
+        "retry_scheduled",
+        "action_required",
+    }
+)
 
 
 def after_deliveries_ran_out(
