@@ -147,10 +147,13 @@ def _fenced_write(update: str) -> str:
     then the statement's own."""
     return f"""
 WITH updated AS ({update} RETURNING order_id, billing_period),
-deferred AS (
+deferred AS (  -- one check per period: a resolved one (an earlier try's) is opened again
     INSERT INTO deferred_scoring_checks (order_id, billing_period, reason)
     SELECT order_id, billing_period, $8 FROM updated WHERE $8::text IS NOT NULL
-    ON CONFLICT DO NOTHING
+    ON CONFLICT (order_id, billing_period) DO UPDATE
+       SET status = 'pending', reason = EXCLUDED.reason, tries = 0, next_try_at = now(),
+           last_error = NULL, resolved_at = NULL
+     WHERE deferred_scoring_checks.status <> 'pending'
 ),
 story AS (
     INSERT INTO charge_events (order_id, billing_period, kind, actor, detail)

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from charge_worker.errors import AlreadySettled, Unverified
-from charge_worker.ledger import Ledger, Settlement
+from charge_worker.ledger import Attempted, DeferredChecks, Ledger, Settlement
 from charge_worker.messages import ChargeDue
 from charge_worker.retries.starts import start_due
 from tests.integration.test_ledger import charge, ledger, pool, row
@@ -93,3 +93,27 @@ async def test_the_started_try_is_claimed_and_the_earlier_one_is_over(
         2,
         "48291:2026-09-01:2",
     )
+
+
+async def test_a_later_try_charged_without_a_verdict_is_checked_after_all(
+    ledger: Ledger, pool: asyncpg.Pool
+) -> None:
+    """Try 1 went out without a verdict and was declined; its check was resolved since.
+    Try 2, charged without a verdict too, gets a check of its own."""
+    unscored = Attempted(calls=1, scoring="deferred", deferred_reason="scoring timed out")
+    claim = await ledger.claim(charge(), "w1", stream_seq=1)
+    await ledger.settle(
+        claim,
+        Settlement("retry_scheduled", decline_code="insufficient_funds", retry_in_s=60.0),
+        story=None,
+        attempted=unscored,
+    )
+    checks = DeferredChecks(pool, retry_s=60)
+    [check] = await checks.take(10)
+    await checks.resolve(check, "approved")
+    await start_next_try(pool)
+    claim = await ledger.claim(try_of(2), "w2", stream_seq=2)
+    await ledger.settle(
+        claim, Settlement("succeeded", charge_id="ch_2"), story=None, attempted=unscored
+    )
+    assert await checks.pending() == 1
