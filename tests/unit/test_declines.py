@@ -1,0 +1,30 @@
+"""The decline classes in code are the table the gateway contract prints
+(docs/contracts/gateway.md, "Retrying a declined renewal"): one table, read both ways."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from charge_worker.declines import CLASSES, GENERIC_DECLINE, decline_class
+
+CONTRACT = Path(__file__).parents[2] / "docs" / "contracts" / "gateway.md"
+
+
+def printed(path: Path) -> dict[str, set[str]]:
+    """The contract's table: class -> the codes its row names."""
+    section = path.read_text().split("## Retrying a declined renewal", 1)[1]
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \|", section, flags=re.MULTILINE)
+    return {klass: set(re.findall(r"`(\w+)`", codes)) for klass, codes in rows}
+
+
+def test_the_code_holds_the_contracts_table() -> None:
+    table = printed(CONTRACT)
+    assert set(table) == {"soft", "customer_action", "hard"}
+    for klass, codes in table.items():
+        assert codes == {code for code, k in CLASSES.items() if k == klass}, klass
+
+
+def test_a_code_nobody_listed_is_soft_and_no_code_is_a_generic_decline() -> None:
+    assert decline_class("card_velocity_exceeded") == "soft"
+    assert decline_class(None) == decline_class(GENERIC_DECLINE) == "soft"
