@@ -15,6 +15,7 @@ from charge_worker.gateway.results import (
     ChargeResult,
     GatewayCharge,
     HistoryPage,
+    decline_kind,
 )
 
 GatewayClient = Gateway  # the name callers knew before the seam: any adapter
@@ -32,4 +33,5 @@ __all__ = [
     "HistoryPage",
     "WebhookScheme",
     "build_gateway",
+    "decline_kind",
 ]

@@ -28,15 +28,14 @@ class ChargeResult:
 
     @property
     def decline_kind(self) -> str | None:
-        """`authentication_required` (the customer must authenticate: billing e-mails them)
-        or `card_declined` for a decline; None otherwise."""
-        if self.status != "declined":
-            return None
-        return (
-            AUTHENTICATION_REQUIRED
-            if self.decline_code == AUTHENTICATION_REQUIRED
-            else (CARD_DECLINED)
-        )
+        """A decline's `decline_kind`; None for anything else."""
+        return decline_kind(self.decline_code) if self.status == "declined" else None
+
+
+def decline_kind(code: str | None) -> str:
+    """What the declines metric counts a decline with `code` as: `authentication_required`
+    (the customer must authenticate: billing e-mails them) or `card_declined` (any other)."""
+    return AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,7 @@ from charge_worker.errors import (
     NoVerdict,
     OutcomeUnknown,
 )
-from charge_worker.gateway import (
-    AUTHENTICATION_REQUIRED,
-    CARD_DECLINED,
-    ChargeResult,
-    Gateway,
-    GatewayCharge,
-)
+from charge_worker.gateway import ChargeResult, Gateway, GatewayCharge, decline_kind
 from charge_worker.ledger import Attempted, Claim, Scoring, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.retries.schedule import after_decline
@@ -430,8 +424,7 @@ class Pipeline:
     ) -> Result:
         """The try was declined with `code`: the period's state follows its class and the
         try's number (retries/schedule.py)."""
-        kind = AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
-        self.metrics.declines.labels(kind).inc()
+        self.metrics.declines.labels(decline_kind(code)).inc()
         settlement = Settlement("declined", error=error, decline_code=code)
         assert settlement.decline_class is not None
         after = after_decline(settlement.decline_class, charge.attempt, self.retry_schedule)
