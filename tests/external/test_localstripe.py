@@ -38,6 +38,8 @@ from tests.support.webhooks import OPEN, SECRET, running_receiver
 pytestmark = [pytest.mark.external, pytest.mark.timeout(240)]
 CHARGES = 40
 DECLINED = {7, 14, 21, 28, 35}  # order ids whose customer's card localstripe declines
+# what a declined try leaves its period in, as its decline code's class says (gateway.md)
+DECLINED_STATES = ("declined", "retry_scheduled", "action_required")
 AMOUNT = 1990
 
 
@@ -130,7 +132,7 @@ async def test_a_batch_on_localstripe_is_charged_once_per_key_through_a_killed_w
                     found = await rows(conn)
                     return (
                         len(found) == CHARGES
-                        and all(s in ("succeeded", "declined") for s in found.values())
+                        and all(s in ("succeeded", *DECLINED_STATES) for s in found.values())
                         and await consumer_idle(nc, settings.nats)
                     )
 
@@ -163,7 +165,7 @@ async def test_a_batch_on_localstripe_is_charged_once_per_key_through_a_killed_w
         key = str(order_id)
         if order_id in DECLINED:
             assert held[key] == 0, by_key[key]
-            assert ledger[order_id] == "declined"
+            assert ledger[order_id] in DECLINED_STATES
             assert all(pi["status"] == "requires_payment_method" for pi in by_key[key])
         else:
             assert held[key] == 1, by_key[key]  # charged once: none missing, none double

@@ -227,8 +227,11 @@ async def test_reordered_and_duplicated_deliveries_leave_the_ledger_as_the_gatew
         for charge in at_gateway:
             order_id = int(charge["metadata"]["order_id"])
             row = await ledger(pool, order_id)
+            # 7's decline reached the ledger only by its webhook: a generic decline, soft,
+            # leaves the period waiting for its next try (6's the test recorded as final)
+            expected = "retry_scheduled" if order_id == 7 else expected_status[state(charge)]
             assert (row["status"], row["gateway_charge_id"], row["gateway_revision"]) == (
-                expected_status[state(charge)],
+                expected,
                 charge["id"],
                 charge["revision"],
             ), order_id

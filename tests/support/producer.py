@@ -12,7 +12,16 @@ import asyncpg
 from nats.js import JetStreamContext
 
 DAY = dt.date(2026, 12, 1)
-FINAL = ("succeeded", "declined", "blocked", "failed", "refunded")
+# where a period rests: final, or its try ended and the next waits for its time or the customer
+FINAL = (
+    "succeeded",
+    "declined",
+    "blocked",
+    "failed",
+    "refunded",
+    "retry_scheduled",
+    "action_required",
+)
 
 
 @dataclass(frozen=True)
