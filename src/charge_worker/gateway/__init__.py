@@ -16,6 +16,7 @@ from charge_worker.gateway.results import (
     GatewayCharge,
     HistoryPage,
     decline_kind,
+    period_answer,
 )
 
 GatewayClient = Gateway  # the name callers knew before the seam: any adapter
@@ -34,4 +35,5 @@ __all__ = [
     "WebhookScheme",
     "build_gateway",
     "decline_kind",
+    "period_answer",
 ]

@@ -123,6 +123,24 @@ def try_of(metadata: dict[str, Any]) -> int:
     return int(text) if text.isdigit() and 1 <= len(text) <= 4 and int(text) >= 1 else 1
 
 
+LookedUp = tuple[Literal["succeeded", "processing", "declined"], GatewayCharge]
+
+
+def period_answer(charges: list[GatewayCharge], current_try: int) -> LookedUp | None:
+    """What a lookup's charges of one period (those proven the period's) say its current
+    try came to, the one rule the worker, reconcile and their tests read it by: the earliest
+    charge still holding money, of any try, else the earliest made (refunded since: made all
+    the same), `succeeded`; else one the bank still settles, `processing`; else the current
+    try's last failed one, `declined`. An earlier try's decline is that try's: no answer."""
+    if made := [c for c in charges if c.captured] or [c for c in charges if c.charged]:
+        return "succeeded", made[0]
+    if processing := [c for c in charges if c.processing]:
+        return "processing", processing[0]
+    if failed := [c for c in charges if c.status == "failed" and c.attempt == current_try]:
+        return "declined", failed[-1]
+    return None
+
+
 @dataclass(frozen=True)
 class HistoryPage:
     """One page of the gateway's charge history, in the adapter's `history_order`."""

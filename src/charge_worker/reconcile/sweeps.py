@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from charge_worker.declines import decline_class
 from charge_worker.errors import PoisonMessage
-from charge_worker.gateway import GatewayCharge
+from charge_worker.gateway import GatewayCharge, period_answer
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
 from charge_worker.reconcile import proof
 from charge_worker.reconcile.candidates import Key
@@ -138,19 +138,14 @@ def found(
     charges: list[GatewayCharge], current_try: int, schedule: Sequence[float]
 ) -> Found | None:
     """What a lookup's charges that match the row (`proof.split`) say happened, by the
-    worker's rule (`worker/pipeline.py`): the earliest still captured (of any try), else the
-    earliest made (refunded since), else one the bank still settles, else the current
-    try's failed one, which the retry schedule decides on (`after_decline`). An earlier
-    try's failed charge is no answer: None then, as for nothing at all."""
-    made = [c for c in charges if c.captured] or [c for c in charges if c.charged]
-    if made:
-        return Found("succeeded", made[0])
-    if processing := [c for c in charges if c.processing]:
-        return Found("processing", processing[0])
-    failed = [c for c in charges if c.status == "failed" and c.attempt == current_try]
-    if not failed:
+    worker's rule (`gateway.period_answer`); a decline, as the retry schedule decides on it
+    (`after_decline`)."""
+    answer = period_answer(charges, current_try)
+    if answer is None:
         return None
-    charge = failed[-1]
+    status, charge = answer
+    if status != "declined":
+        return Found(status, charge)
     after = after_decline(decline_class(charge.decline_code), current_try, schedule)
     return Found(after.status, charge, after.retry_in_s, after.exhausted)
 

@@ -41,7 +41,13 @@ from charge_worker.errors import (
     NoVerdict,
     OutcomeUnknown,
 )
-from charge_worker.gateway import ChargeResult, Gateway, GatewayCharge, decline_kind
+from charge_worker.gateway import (
+    ChargeResult,
+    Gateway,
+    GatewayCharge,
+    decline_kind,
+    period_answer,
+)
 from charge_worker.ledger import Attempted, Claim, Scoring, Settlement
 from charge_worker.messages import ChargeDue, parse
 from charge_worker.retries.schedule import after_decline
@@ -345,23 +351,18 @@ class Pipeline:
         if unmatched := [c.id for c in listed if c.fingerprint != charge.fingerprint]:
             done.notes["unmatched"] = unmatched
             log.warning("charge.unmatched_found", charges=unmatched)
-        # a charge refunded since was made all the same: record it, never charge again
-        if charged := [c for c in found if c.captured] or [c for c in found if c.charged]:
-            done.found = charged[0]
-            done.settlement = Settlement("succeeded", charge_id=charged[0].id)
+        answer = period_answer(found, charge.attempt)
+        if answer is None:
+            return None
+        status, done.found = answer
+        if status == "succeeded":
+            done.settlement = Settlement("succeeded", charge_id=done.found.id)
             return Result(Outcome.CHARGED)
-        if processing := [c for c in found if c.processing]:  # the bank settles it: wait
-            done.found = processing[0]
-            done.settlement = Settlement("processing", charge_id=processing[0].id)
+        if status == "processing":  # the bank settles it: wait
+            done.settlement = Settlement("processing", charge_id=done.found.id)
             return Result(Outcome.PROCESSING)
-        # an earlier try's decline is that try's: only this try's failed charge is its answer
-        if failed := [c for c in found if c.status == "failed" and c.attempt == charge.attempt]:
-            done.found = failed[-1]
-            code = failed[-1].decline_code
-            return self._declined(
-                done, charge, code, error=f"{code or 'declined'} (found by lookup)"
-            )
-        return None
+        code = done.found.decline_code
+        return self._declined(done, charge, code, error=f"{code or 'declined'} (found by lookup)")
 
     async def _score(self, done: _Draft, charge: ChargeDue) -> Verdict | ScoringFailure:
         verdict = await self.scoring.score(
