@@ -31,6 +31,7 @@ from charge_worker.database import translated
 from charge_worker.declines import DeclineClass, decline_class
 from charge_worker.errors import AlreadySettled, LeaseHeld, PayloadConflict, Unverified
 from charge_worker.messages import ChargeDue
+from charge_worker.retries.schedule import DECLINE_STATES
 from charge_worker.settings import LEASE_MARGIN_S
 
 Scoring = Literal["approved", "blocked", "deferred"]
@@ -47,7 +48,6 @@ FinalStatus = Literal[
     "retry_scheduled",
     "action_required",
 ]
-_DECLINED = frozenset({"declined", "retry_scheduled", "action_required"})
 
 # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match: a message with no row yet is inserted only when
 # an active subscription says so: its customer, amount and currency, and the period one of
@@ -216,7 +216,7 @@ class Settlement:
 
     @property
     def decline_class(self) -> DeclineClass | None:
-        return decline_class(self.decline_code) if self.status in _DECLINED else None
+        return decline_class(self.decline_code) if self.status in DECLINE_STATES else None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from charge_worker.declines import decline_class
 from charge_worker.retries.schedule import after_decline
 from charge_worker.sandbox.gateway import cards
 from tests.chaos.checker import FATAL, Facts, judge
@@ -374,7 +373,7 @@ def test_the_retries_oracle_is_what_the_simulator_and_the_schedule_make_of_each_
             if code is None:
                 outcome = "charged_once"
                 break
-            after = after_decline(decline_class(code), attempt, schedule)
+            after = after_decline(code, attempt, schedule)
             outcome = after.status
             if outcome != "retry_scheduled":
                 break

@@ -31,6 +31,7 @@ from charge_worker.reconcile import proof
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.history import patiently
 from charge_worker.reconcile.report import Finding, Report, Sweep
+from charge_worker.retries.schedule import DECLINE_STATES
 from charge_worker.streams import Position
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ ACTOR = "reconcile"
 PROGRESS_EVERY = 100  # rows
 CONCURRENCY = 8  # keys worked on at once, each on its own ledger connection
 BATCH = 1000  # rows read at a time
-DECLINED = frozenset({"declined", "retry_scheduled", "action_required"})  # a try's decline
 log = structlog.get_logger(__name__)
 Db: TypeAlias = "asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"  # a key's own
 T = TypeVar("T")
@@ -253,7 +253,7 @@ class Sweeper:
         """The guarded write, with its `resolved` event; False if a worker took the row.
         A decline (`declined`, `retry_scheduled` due in `retry_in_s`, `action_required`)
         keeps its code and class."""
-        klass = decline_class(decline_code) if status in DECLINED else None
+        klass = decline_class(decline_code) if status in DECLINE_STATES else None
         async with conn.transaction():
             updated = await conn.fetchval(
                 _SETTLE, *key, attempt, status, charge_id, error, decline_code, klass, retry_in_s

@@ -34,15 +34,14 @@ from typing import Any
 import asyncpg
 from pydantic import ValidationError
 
-from charge_worker.declines import decline_class
 from charge_worker.errors import PoisonMessage
 from charge_worker.gateway import GatewayCharge, period_answer
 from charge_worker.messages import SCHEMA, ChargeDue, idempotency_key
 from charge_worker.reconcile import proof
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.report import Finding
-from charge_worker.reconcile.sweeper import BATCH, DECLINED, Sweeper, stamp
-from charge_worker.retries.schedule import after_decline
+from charge_worker.reconcile.sweeper import BATCH, Sweeper, stamp
+from charge_worker.retries.schedule import DECLINE_STATES, after_decline
 
 FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), 0, dt.date.min)  # before every keyset
 
@@ -146,7 +145,7 @@ def found(
     status, charge = answer
     if status != "declined":
         return Found(status, charge)
-    after = after_decline(decline_class(charge.decline_code), current_try, schedule)
+    after = after_decline(charge.decline_code, current_try, schedule)
     return Found(after.status, charge, after.retry_in_s, after.exhausted)
 
 
@@ -286,7 +285,7 @@ def _try(answer: Found, row: asyncpg.Record) -> dict[str, Any]:
 
 async def _settle_found(run: Sweeper, key: Key, attempt: int, answer: Found, **detail: Any) -> bool:
     """Record what a lookup found for an open row (guarded); False if a worker took it."""
-    charge, declined = answer.charge, answer.status in DECLINED
+    charge, declined = answer.charge, answer.status in DECLINE_STATES
     error = f"declined: charge {charge.id} failed (reconcile)" if declined else None
     async with run.pool.acquire() as conn:
         return await run.settle(

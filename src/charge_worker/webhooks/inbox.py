@@ -27,9 +27,9 @@ from charge_worker.database import translated
 from charge_worker.declines import decline_class
 from charge_worker.errors import GuardRefused, LeaseHeld, MalformedDelivery
 from charge_worker.gateway.results import try_of
+from charge_worker.retries.schedule import DECLINE_STATES
 from charge_worker.webhooks.metrics import OPEN_STATUSES
 from charge_worker.webhooks.rules import (
-    DECLINES,
     Apply,
     Decision,
     Fingerprint,
@@ -130,7 +130,7 @@ SELECT coalesce(max(revision) FILTER (WHERE status = 'applied'), 0) AS applied,
 # written with the outcome) gets the post-hoc scoring check a deferred verdict has.
 # A decline keeps its code and class (`$9`, `$10`), and `retry_scheduled` its `retry_at` in
 # `$11` seconds; a period waiting for its next try records the charge that holds its money
-# in place of its declined try's (`rules.WAITING`), and its `retry_at` goes.
+# in place of its declined try's (`retries.schedule.WAITING`), and its `retry_at` goes.
 _APPLY = """
 WITH updated AS (
 UPDATE charge_attempts
@@ -514,7 +514,7 @@ class _Held:
             f"gateway: dispute opened on {job.charge_id}",
             record["status"],
             decision.decline_code,
-            decline_class(decision.decline_code) if decision.status in DECLINES else None,
+            decline_class(decision.decline_code) if decision.status in DECLINE_STATES else None,
             decision.retry_in_s,
         )
         if updated != 1:  # the row is locked: only a bug in the rules gets here

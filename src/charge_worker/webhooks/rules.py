@@ -73,8 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
 
-from charge_worker.declines import decline_class
-from charge_worker.retries.schedule import after_decline
+from charge_worker.retries.schedule import WAITING, after_decline
 
 # the charge's state (`state_of`) -> the ledger status that records it
 LEDGER_STATUS = {
@@ -94,8 +93,6 @@ EVENT_TYPES = frozenset(
 )
 DISPUTE = "charge.dispute_created"
 OPEN = frozenset({"scheduled", "pending"})
-WAITING = frozenset({"retry_scheduled", "action_required"})  # for the period's next try
-DECLINES = frozenset({"declined", *WAITING})  # what a try's decline leaves a period in
 
 
 def state_of(status: str, *, refunded: bool) -> str:
@@ -296,7 +293,7 @@ def _waiting(event: Snapshot, row: Row, target: str, dispute: bool) -> Decision:
 def _after_decline(event: Snapshot, row: Row, decision: Apply, schedule: Sequence[float]) -> Apply:
     """The current try's decline, written as the worker writes it: the state its class and
     the try's number leave the period in, its code and the wait before the next try."""
-    after = after_decline(decline_class(event.decline_code), row.current_try, schedule)
+    after = after_decline(event.decline_code, row.current_try, schedule)
     change = decision.change.removesuffix("declined") + after.status
     return Apply(
         after.status,

@@ -426,12 +426,14 @@ class Pipeline:
         """The try was declined with `code`: the period's state follows its class and the
         try's number (retries/schedule.py)."""
         self.metrics.declines.labels(decline_kind(code)).inc()
-        settlement = Settlement("declined", error=error, decline_code=code)
-        assert settlement.decline_class is not None
-        after = after_decline(settlement.decline_class, charge.attempt, self.retry_schedule)
+        after = after_decline(code, charge.attempt, self.retry_schedule)
         done.notes["after_decline"] = after.status
-        done.settlement = dataclasses.replace(
-            settlement, status=after.status, retry_in_s=after.retry_in_s, exhausted=after.exhausted
+        done.settlement = Settlement(
+            after.status,
+            error=error,
+            decline_code=code,
+            retry_in_s=after.retry_in_s,
+            exhausted=after.exhausted,
         )
         return Result(Outcome.DECLINED)
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from charge_worker.retries.schedule import WAITING
+
 FINAL = frozenset({"succeeded", "declined", "blocked", "failed", "refunded"})
 # a declined try's period waits in one of these: for its next try, or for its customer
-WAITING = frozenset({"retry_scheduled", "action_required"})
 AT_REST = FINAL | WAITING
 CHARGED = frozenset({"succeeded", "refunded"})  # a refunded charge was made all the same
 
