@@ -68,20 +68,53 @@ def main() -> None:
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Folder of NNNN_name.sql files (default: the ones shipped with this version).",
 )
+@click.option(
+    "--lock-timeout",
+    "lock_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=3.0,
+    show_default=True,
+    help="Seconds a migration waits for a table's lock before its try is rolled back.",
+)
+@click.option(
+    "--lock-retries",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Tries after the first when the lock wait timed out, 1 s apart doubling to 30 s.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the files applied now as JSON.")
-def migrate(directory: Path | None, as_json: bool) -> None:
+def migrate(
+    directory: Path | None, lock_timeout_s: float, lock_retries: int, as_json: bool
+) -> None:
     """Apply the database migrations not applied yet (safe to run concurrently)."""
+    from charge_worker.migrate import LockWait, Migration  # noqa: PLC0415
     from charge_worker.migrate import migrate as apply_all  # noqa: PLC0415
 
-    dsn = _settings().db.dsn
-    if as_json:
-        applied = _run(apply_all(dsn, directory))
-        click.echo(json.dumps({"applied": [m.path.name for m in applied], "exit_code": 0}))
-        return
-    applied = _run(
-        apply_all(dsn, directory, on_apply=lambda m: click.echo(f"applied {m.path.name}"))
+    def waited(w: LockWait) -> None:
+        click.echo(
+            f"{w.migration.path.name}: waited {w.lock_timeout_s:g} s for a lock (try "
+            f"{w.attempt} of {w.tries}), rolled back; trying again in {w.retry_in_s:g} s",
+            err=True,
+        )
+
+    def applied_now(m: Migration) -> None:
+        if not as_json:
+            click.echo(f"applied {m.path.name}")
+
+    run = apply_all(
+        _settings().db.dsn,
+        directory,
+        lock_timeout_s=lock_timeout_s,
+        lock_retries=lock_retries,
+        on_apply=applied_now,
+        on_lock_wait=waited,
     )
-    click.echo(f"schema up to date ({len(applied)} applied now)")
+    applied = _run(run)
+    if as_json:
+        click.echo(json.dumps({"applied": [m.path.name for m in applied], "exit_code": 0}))
+    else:
+        click.echo(f"schema up to date ({len(applied)} applied now)")
 
 
 @main.command()

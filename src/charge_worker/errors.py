@@ -10,6 +10,7 @@ Our exception hierarchy::
     ChargeWorkerError
     ├── SettingsError ............ invalid configuration: fail at start, one line
     ├── MigrationError ........... a migration cannot be applied (edited, or failed)
+    │   └── MigrationLockTimeout . every try waited out its lock_timeout: run it again later
     ├── ProvisioningError ........ streams or consumer cannot be created as configured
     ├── PermanentError ........... never retried: dead letter (reason = outcome), then term
     │   ├── PoisonMessage ........ the message breaks docs/contracts/charge-due.md
@@ -55,6 +56,11 @@ class SettingsError(ChargeWorkerError):
 
 class MigrationError(ChargeWorkerError):
     """A migration cannot be applied."""
+
+
+class MigrationLockTimeout(MigrationError):
+    """Every try of a migration timed out waiting for a lock another session held; nothing
+    of it was applied, and a later run may succeed once that session lets go."""
 
 
 class ProvisioningError(ChargeWorkerError):
