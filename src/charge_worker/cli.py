@@ -134,6 +134,33 @@ def provision(apply: bool, as_json: bool) -> None:
 
 
 @main.command()
+@click.option("--reason", help="Why, kept with the pause for whoever looks next.")
+@click.option("--by", help="Who pauses (default: user@host of this shell).")
+@click.option("--json", "as_json", is_flag=True, help="Print the consumer's state as JSON.")
+def pause(reason: str | None, by: str | None, as_json: bool) -> None:
+    """Stop all charging: pause the durable consumer until `resume` (nats-server 2.11+).
+
+    Workers stay up and Ready and deliver nothing; messages wait in the stream. Who, when
+    and why are kept on the consumer. Paused already: changes nothing.
+    """
+    from charge_worker.admin import pause_command  # noqa: PLC0415
+
+    raise SystemExit(_run(pause_command(_settings(), reason=reason, by=by, as_json=as_json)))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the consumer's state as JSON.")
+def resume(as_json: bool) -> None:
+    """Resume charging after `pause`: every message waiting is delivered, none is lost.
+
+    Not paused: changes nothing.
+    """
+    from charge_worker.admin import resume_command  # noqa: PLC0415
+
+    raise SystemExit(_run(resume_command(_settings(), as_json=as_json)))
+
+
+@main.command()
 @click.option(
     "--dry-run", is_flag=True, help="Print what would be made and dropped; change nothing."
 )

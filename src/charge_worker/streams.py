@@ -9,6 +9,7 @@ ignores the config of an existing durable, which is why this module exists at al
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 from collections.abc import Iterable
@@ -186,8 +187,22 @@ async def _ensure_consumer(
     drift = diff("consumer", wanted.durable_name, info.config, wanted, _CONSUMER_FIELDS)
     report.drift.extend(drift)
     if apply and drift and all(d.changeable for d in drift):
-        await js.add_consumer(stream, wanted)  # create-or-update on an existing durable
+        # create-or-update on an existing durable, which replaces the metadata: keep what
+        # others put there (`charge-worker pause` records who paused, when, why), and the
+        # pause itself (the server keeps it on any update; said anyway)
+        kept = dataclasses.replace(
+            wanted,
+            metadata=_kept_metadata(info.config.metadata),
+            pause_until=info.config.pause_until,
+        )
+        await js.add_consumer(stream, kept)
         report.updated.append(f"consumer {stream}/{wanted.durable_name}")
+
+
+def _kept_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """A consumer's metadata but the keys the server writes itself (`_nats.*`)."""
+    kept = {k: v for k, v in (metadata or {}).items() if not k.startswith("_nats.")}
+    return kept or None
 
 
 async def provision(

@@ -129,6 +129,7 @@ async def report_consumer_stats(
             metrics.consumer["ack_pending"].set(info.num_ack_pending or 0)
             metrics.consumer["redelivered"].set(info.num_redelivered or 0)
             metrics.consumer["max_ack_pending"].set(info.config.max_ack_pending or 0)
+            metrics.paused.set(1 if info.paused else 0)
             dlq = await js.stream_info(cfg.dlq_stream)
             metrics.dlq_messages.set(dlq.state.messages)
         raise_if_cancelled()

@@ -171,6 +171,11 @@ class Metrics:
             )
             for field in ("pending", "ack_pending", "redelivered", "max_ack_pending")
         }
+        self.paused = Gauge(
+            f"{PREFIX}_paused",
+            "1 while the durable consumer is paused (`charge-worker pause`): it delivers nothing.",
+            registry=registry,
+        )
         self.dlq_messages = Gauge(
             f"{PREFIX}_dlq_messages", "Messages in the dead-letter stream.", registry=registry
         )
