@@ -30,7 +30,7 @@ from nats.js.api import ConsumerInfo
 
 from charge_worker import streams
 from charge_worker.display import printable
-from charge_worker.errors import DependencyUnavailable, ProvisioningError
+from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, ProvisioningError
 from charge_worker.settings import NatsSettings, Settings
 
 REASON_KEY = "charge-worker.paused_reason"
@@ -138,10 +138,17 @@ async def pause(
                     "the kill switch needs nats-server 2.11 or later"
                 )
             info = await js.consumer_info(cfg.stream, cfg.durable)
-        if changed or AT_KEY not in (info.config.metadata or {}):
-            metadata = recorded(info.config.metadata, reason=reason, by=by, at=now)
-            info = await _with_metadata(js, cfg, info, metadata)
-            changed = True
+    if changed or AT_KEY not in (info.config.metadata or {}):
+        metadata = recorded(info.config.metadata, reason=reason, by=by, at=now)
+        try:
+            with _translated(cfg):
+                info = await _with_metadata(js, cfg, info, metadata)
+        except ChargeWorkerError as error:  # the operator must not take it for "not paused"
+            raise type(error)(
+                f"{cfg.stream}/{cfg.durable} is paused, but who, when and why could not be "
+                f"recorded: {error}"
+            ) from error
+        changed = True
     return PauseState.of(info), changed
 
 
