@@ -62,6 +62,9 @@ class Needs:
 
 _EVENTS = Grant("charge_events", ("INSERT",), serial="id")  # the append-only story
 _RATE = Grant("rate_buckets", ("SELECT", "INSERT", "UPDATE"))  # the fleet's gateway rate
+# each real run of produce and reconcile recorded at its end (jobs/runs.py; maintain, the
+# schema owner, records its own and prunes them)
+_RUN_RECORD = Grant("job_runs", ("INSERT",))
 
 RUN = Needs(
     "run",
@@ -73,6 +76,8 @@ RUN = Needs(
         # the relay takes, marks and prunes the outcome events; the ledger row's triggers
         # write them as the schema owner, so no role needs INSERT
         Grant("charge_outcomes", ("SELECT", "UPDATE", "DELETE")),
+        # the jobs' latest runs, exported as gauges (jobs/exporter.py)
+        Grant("job_runs", ("SELECT",)),
     ),
 )
 # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match: the claim reads the message's subscription
@@ -98,6 +103,7 @@ PRODUCE = Needs(
         # its rows tell the charge's `scheduled` and `published` (events.py): no event row
         Grant("charge_attempts", ("SELECT", "INSERT", "UPDATE")),
         _TRIES,
+        _RUN_RECORD,
     ),
 )
 # `charge-worker retry`: one period's next try, started and published now
@@ -117,6 +123,7 @@ RECONCILE = Needs(
         _RATE,
         # a period's earlier tries: their keys and charges
         Grant("charge_tries", ("SELECT",)),
+        _RUN_RECORD,
     ),
 )
 EXPLAIN = Needs(

@@ -44,6 +44,7 @@ SHARED = {
     "scoring",
     "outcomes",
     "retries",
+    "jobs",
 }
 FAMILIES = {"worker", "producer", "reconcile", "webhooks", "admin", "explain"}
 TOP = {"cli", "sandbox", "__main__", "__init__"}

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
 from charge_worker.display import printable
+from charge_worker.jobs.figures import LAST_RUN, RECONCILE_GAUGES, RECONCILE_PREFIX
 
 Sweep = Literal[
     "forgotten_charges",
@@ -44,7 +45,6 @@ TITLES: dict[Sweep, str] = {
     "discrepancies": "discrepancies",
     "unmatched_charges": "unmatched charges",
 }
-METRIC_PREFIX = "charge_worker_reconcile"
 
 
 @dataclass(frozen=True)
@@ -260,62 +260,10 @@ def to_json(report: Report, *, exit_code: int) -> dict[str, Any]:
 
 
 def write_metrics(report: Report, path: Path) -> None:
-    """Write the run's gauges in Prometheus text format (node-exporter textfile collector)."""
+    """Write the run's gauges in Prometheus text format (node-exporter textfile collector),
+    named and explained as the worker pods export them from `job_runs` (jobs/figures.py)."""
     registry = CollectorRegistry()
-    counts = report.counts
-    gauges = {
-        "last_run_timestamp_seconds": (
-            "Unix time of the last reconcile run that finished.",
-            report.started_at.timestamp(),
-        ),
-        "double_charges": (
-            "Extra successful charges found for a key already charged (last run).",
-            counts.double_charges,
-        ),
-        "refunds": ("Extra charges refunded (last run).", counts.refunds),
-        "unrecorded_charges": (
-            "Keys the ledger records as declined, failed, blocked, retry_scheduled or"
-            " action_required that the gateway charged, with a charge matching the row"
-            " (last run).",
-            counts.unrecorded_charges,
-        ),
-        "ledger_repaired": (
-            "Unrecorded charges now recorded as the key's charge (last run).",
-            counts.ledger_repaired,
-        ),
-        "discrepancies": (
-            "Charges the ledger records that the gateway does not know (last run).",
-            counts.discrepancies,
-        ),
-        "unknown_resolved": (
-            "Unknown gateway outcomes resolved by lookup (last run).",
-            counts.unknown_resolved,
-        ),
-        "republished": (
-            "Quiet scheduled/pending charges re-published to the stream (last run).",
-            counts.republished,
-        ),
-        "adopted": (
-            "Charges the gateway made for open rows whose message was gone, recorded (last run).",
-            counts.adopted,
-        ),
-        "adopted_rows": (
-            "Charges the gateway made for keys whose ledger row was lost, recorded from their"
-            " subscription (last run).",
-            counts.adopted_rows,
-        ),
-        "still_waiting": (
-            "Quiet scheduled/pending charges whose message still waits in the stream (last run).",
-            counts.still_waiting,
-        ),
-        "unmatched_charges": (
-            "Captured gateway charges for our keys not proven the key's own (no ledger row, or"
-            " another amount, currency or customer): neither refunded nor recorded, left for a"
-            " person (last run).",
-            counts.unmatched_charges,
-        ),
-        "errors": ("Keys a sweep could not handle (last run).", counts.errors),
-    }
-    for name, (help_text, value) in gauges.items():
-        Gauge(f"{METRIC_PREFIX}_{name}", help_text, registry=registry).set(value)
+    values = asdict(report.counts) | {LAST_RUN: report.started_at.timestamp()}
+    for name, help_text in RECONCILE_GAUGES.items():
+        Gauge(f"{RECONCILE_PREFIX}_{name}", help_text, registry=registry).set(values[name])
     write_to_textfile(str(path), registry)
