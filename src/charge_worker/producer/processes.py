@@ -7,7 +7,9 @@ publishes what it scheduled), so the N processes are N runs started together, ea
 own `Share` of the due subscriptions: a range of ids cut at quantiles of a sample, so the
 shares are about equal, none reads what another refused, and none publishes as left over
 what another has just scheduled. Their progress lines go to stderr as they come; their
-summaries come back as JSON and are added up.
+summaries come back as JSON and are added up. The run is recorded once, by this process
+(`job_runs`); the processes, each on a share, record nothing. Too few due subscriptions to
+cut, and the run is one process's: this one's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import click
 
 from charge_worker import database
 from charge_worker.database import translated
-from charge_worker.producer.publish import Share
+from charge_worker.errors import ChargeWorkerError
+from charge_worker.jobs import note_run
+from charge_worker.producer.publish import WHOLE, Share
+from charge_worker.producer.schedule import failed, produce_command
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.settings import Settings
 
@@ -60,12 +65,21 @@ async def produce_in_processes(
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     child.send_signal(sig)
 
+    started = dt.datetime.now(dt.UTC)
+    try:
+        shares = await _shares(settings, day, processes)
+    except ChargeWorkerError as error:
+        await note_run(
+            settings.db, "produce", started_at=started, ok=False, summary=failed(day, error)
+        )
+        raise
+    if shares == [WHOLE]:  # one share, the whole run: a run of one process, recorded as one
+        return await produce_command(settings, day, as_json=as_json)
     loop = asyncio.get_running_loop()
     for sig in SIGNALS:
         loop.add_signal_handler(sig, stop, sig)
     summary = Summary(day)
     try:
-        shares = await _shares(settings, day, processes)
         for share in shares:
             if stopped:
                 break
@@ -93,6 +107,13 @@ async def produce_in_processes(
                     child.kill()
                 await child.wait()
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
+    await note_run(
+        settings.db,
+        "produce",
+        started_at=started,
+        ok=summary.exit_code == 0,
+        summary=summary.figures(),
+    )
     return summary.exit_code
 
 

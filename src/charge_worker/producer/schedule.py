@@ -50,7 +50,8 @@ from pydantic import ValidationError
 
 from charge_worker import database, logs, privileges, streams, tracing
 from charge_worker.database import translated
-from charge_worker.errors import DependencyUnavailable
+from charge_worker.errors import ChargeWorkerError, DependencyUnavailable
+from charge_worker.jobs import note_run
 from charge_worker.messages import SCHEMA, ChargeDue
 from charge_worker.periods import due_periods
 from charge_worker.producer.publish import (
@@ -170,16 +171,42 @@ async def produce_command(
     not be published (it stays `scheduled`: a re-run publishes it). Invalid subscriptions and
     conflicts are reported and skipped, but do not fail the run on their own. Progress is
     logged every 1000 rows (`logs.progress`), so `--json` keeps stdout one JSON object.
+
+    The whole run (`share` WHOLE) is recorded in `job_runs` at its end, ok when it exits 0;
+    one process of `produce --processes N` is not: the parent records the run.
     """
     gc.freeze()  # what start-up loaded lives as long as the run: no collection walks it
-    summary = await produce(
-        settings,
-        day,
-        progress=logs.progress(settings.log, __package__),
-        share=share,
-    )
+    started = dt.datetime.now(dt.UTC)
+    whole = share == WHOLE
+    try:
+        summary = await produce(
+            settings,
+            day,
+            progress=logs.progress(settings.log, __package__),
+            share=share,
+        )
+    except ChargeWorkerError as error:
+        if whole:
+            await note_run(
+                settings.db, "produce", started_at=started, ok=False, summary=failed(day, error)
+            )
+        raise
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
+    if whole:
+        await note_run(
+            settings.db,
+            "produce",
+            started_at=started,
+            ok=summary.exit_code == 0,
+            summary=summary.figures(),
+        )
     return summary.exit_code
+
+
+def failed(day: dt.date, error: ChargeWorkerError) -> dict[str, object]:
+    """What `job_runs` keeps of a run that ended early on an error (its one line is printed
+    as the command ends)."""
+    return {"day": day.isoformat(), "error": type(error).__name__}
 
 
 async def produce(

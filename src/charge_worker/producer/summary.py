@@ -78,6 +78,12 @@ class Summary:
         """1 if a due charge was left unpublished; refused rows alone do not fail the run."""
         return 1 if self.failed or self.abandoned else 0
 
+    def figures(self) -> dict[str, object]:
+        """The run's counts by name, problems counted (what `job_runs` keeps of the run)."""
+        counts = {name: getattr(self, name) for name in _COUNTS}
+        problems = {name: len(getattr(self, name)) for name in ("invalid", "conflicts", "failed")}
+        return {"day": self.day.isoformat()} | counts | problems
+
     def as_json(self) -> str:
         """One JSON object; problems are listed in full."""
         document = dataclasses.asdict(self) | {"exit_code": self.exit_code}

@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import sys
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import asyncpg
@@ -34,6 +35,7 @@ from charge_worker import database, logs, privileges, tracing
 from charge_worker.database import translated
 from charge_worker.errors import ChargeWorkerError
 from charge_worker.gateway import GatewayCharge, build_gateway
+from charge_worker.jobs import note_run
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.reconcile import checkpoint, discrepancies, followups
 from charge_worker.reconcile.candidates import Key, Recorded, ours, sort_page
@@ -98,7 +100,13 @@ async def reconcile_command(
     `metrics_file` gets the run's gauges in Prometheus text format, only when the run
     finished (so `charge_worker_reconcile_last_run_timestamp_seconds` goes stale when
     runs fail, and a run skipped for the lock leaves the other run's file alone).
+
+    A real run is recorded in `job_runs` after its output (a dry run, and one skipped for
+    the lock, are not): ok when it finished and handled every key; its counts, under the
+    metrics file's names, and `full`, when it finished (the worker pods export those as
+    the file's gauges); the error's name when it ended early.
     """
+    started = dt.datetime.now(dt.UTC)
     try:
         progress = logs.progress(settings.log, __package__)
         report = await run_reconcile(
@@ -106,6 +114,9 @@ async def reconcile_command(
         )
     except ChargeWorkerError as error:
         _stderr(f"Error: {type(error).__name__}: {_one_line(error)}")
+        if not dry_run:
+            ended = {"full": full, "error": type(error).__name__}
+            await note_run(settings.db, "reconcile", started_at=started, ok=False, summary=ended)
         return 1
     code = 0 if report.skipped else report.exit_code(fail_on_discrepancy=fail_on_discrepancy)
     if as_json:
@@ -113,6 +124,14 @@ async def reconcile_command(
     else:
         for line in table(report):
             print(line)
+    if not dry_run and not report.skipped:
+        await note_run(
+            settings.db,
+            "reconcile",
+            started_at=report.started_at,
+            ok=not report.failures,
+            summary=asdict(report.counts) | {"full": full},
+        )
     if metrics_file is not None and not report.skipped:
         try:
             write_metrics(report, metrics_file)
