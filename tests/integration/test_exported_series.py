@@ -5,9 +5,10 @@ quiet through the very incident it was written for, and promtool cannot tell (it
 tests feed the series by hand). So the names come from the processes themselves: a live
 scrape of a real worker and of a real webhook receiver, and the file reconcile writes with
 `--metrics-file`, each after some work (a labelled counter appears only at its first
-increment). A name in a rule's or a panel's `expr` (`charge_worker_…`, suffixes `_total`,
-`_bucket`, `_sum`, `_count` included) must be among them; a histogram's base name counts
-as exported when its `_bucket` is.
+increment; the worker's gauges of the jobs' runs, reconcile's figures among them, once a
+run is recorded: reconcile runs first). A name in a rule's or a panel's `expr`
+(`charge_worker_…`, suffixes `_total`, `_bucket`, `_sum`, `_count` included) must be among
+them; a histogram's base name counts as exported when its `_bucket` is.
 """
 
 from __future__ import annotations
@@ -136,6 +137,18 @@ async def test_every_series_the_alerts_and_the_dashboard_read_is_exported(
         nats_settings, database_url, gateway_sim.url, scoring_sim.url, deferred_check_interval_s=0.2
     )
     js = await provisioned(nc, settings)
+    # recorded in job_runs too: the worker exports its figures and the job's last success
+    metrics_file = tmp_path / "reconcile.prom"
+    code = await reconcile_command(
+        settings,
+        since=None,
+        dry_run=False,
+        as_json=True,
+        fail_on_discrepancy=False,
+        metrics_file=metrics_file,
+    )
+    assert code == 0
+    exported |= sample_names(metrics_file.read_text())
     # scoring down: the charge goes ahead and leaves a deferred check; a poison message
     # is dead-lettered; a card declined on its first try is charged on its second
     await set_sim(scoring_sim.url, error_rate=1.0)
@@ -164,7 +177,12 @@ async def test_every_series_the_alerts_and_the_dashboard_read_is_exported(
             lambda: worker.metric("charge_worker_retry_recovered_minor_total", currency="RUB") > 0,
             "try 2 charged",
         )
-        exported |= sample_names((await client.get(f"{worker.http_url}/metrics")).text)
+        await eventually(
+            lambda: worker.metric("charge_worker_reconcile_last_run_timestamp_seconds") > 0,
+            "the worker's first read of job_runs",
+        )
+        worker_series = sample_names((await client.get(f"{worker.http_url}/metrics")).text)
+        exported |= worker_series
 
     receiving = webhook_settings(database_url, gateway_sim.url)
     async with running_receiver(receiving) as receiver:
@@ -180,19 +198,13 @@ async def test_every_series_the_alerts_and_the_dashboard_read_is_exported(
         )
         exported |= sample_names((await receiver.client.get("/metrics")).text)
 
-    metrics_file = tmp_path / "reconcile.prom"
-    code = await reconcile_command(
-        settings,
-        since=None,
-        dry_run=False,
-        as_json=True,
-        fail_on_discrepancy=False,
-        metrics_file=metrics_file,
-    )
-    assert code == 0
-    exported |= sample_names(metrics_file.read_text())
-
     assert "process_cpu_seconds_total" in exported  # the scrapes were real expositions
+    # every pod exports reconcile's figures as its textfile names them, and the jobs' runs
+    assert sample_names(metrics_file.read_text()) <= worker_series
+    assert {
+        "charge_worker_job_last_success_timestamp_seconds",
+        "charge_worker_oldest_due_unsettled_seconds",
+    } <= worker_series
     missing = unexported(referenced(), exported)
     assert not missing, "queried but exported by no process: " + "; ".join(
         f"{name} ({', '.join(sorted(sources))})" for name, sources in sorted(missing.items())

@@ -21,6 +21,7 @@ from charge_worker import event_loop, http, privileges, streams
 from charge_worker.database import create_pool
 from charge_worker.dlq import DeadLetters
 from charge_worker.gateway import build_gateway
+from charge_worker.jobs import export_job_runs
 from charge_worker.ledger import DeferredChecks, Ledger
 from charge_worker.outcomes.outbox import Outbox
 from charge_worker.outcomes.relay import OutboxMetrics, Relay
@@ -48,7 +49,7 @@ class Running:
     side_tasks: Mapping[str, asyncio.Task[None]]
 
 
-async def run_worker(
+async def run_worker(  # noqa: PLR0915 (the wiring: every part, once, in start order)
     settings: Settings,
     stop: asyncio.Event,
     *,
@@ -133,6 +134,7 @@ async def run_worker(
         before_mark=lambda: failpoints.hit("after_outcome_publish_before_mark"),
     )
     side_tasks.start("outcome_relay", relay.run(stop))
+    side_tasks.start("job_runs", export_job_runs(pool, metrics.registry, stop))
     side_tasks.start(
         "consumer_stats",
         report_consumer_stats(
