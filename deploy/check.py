@@ -115,9 +115,9 @@ REFUSALS = [
         "CHARGE_WORKER_MAX_ACK_PENDING (1000) must be at least",
     ),
     Refusal(
-        "the reconcile alerts without reconcile's metrics file",
-        {"metrics": {"prometheusRule": {"excludeGroups": []}}},
-        "charge-worker.reconcile needs",
+        "a runbook base with an anchor",
+        {"metrics": {"prometheusRule": {"runbookBaseUrl": "https://wiki.example.com/rb#x"}}},
+        "runbookBaseUrl",
     ),
     Refusal(
         "an excluded alert group that does not exist",
@@ -219,6 +219,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "the chart's copies of settings unset": UNSET_SETTINGS,
     "the webhook receiver off": {"webhooks": {"enabled": False}},
     "the NetworkPolicies off": {"networkPolicy": {"enabled": False}},
+    "the runbook elsewhere, extra alert labels": {
+        "metrics": {
+            "prometheusRule": {
+                "runbookBaseUrl": "https://wiki.example.com/billing/charge-worker-runbook",
+                "additionalLabels": {"team": "billing", "severity": "ignored"},
+            }
+        }
+    },
 }
 
 

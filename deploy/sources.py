@@ -47,16 +47,36 @@ def check_links(embedded: dict[Path, Path] | None = None) -> list[str]:
     return problems
 
 
+def expected_rule_groups(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """config/alerts.yml as the chart must render it: less the excluded groups (and
+    charge-worker.webhooks without the receiver), every runbook_url on runbookBaseUrl, and
+    additionalLabels under each alert's own labels."""
+    wanted = values["metrics"]["prometheusRule"]
+    excluded = set(wanted["excludeGroups"])
+    if not values["webhooks"]["enabled"]:
+        excluded.add("charge-worker.webhooks")
+    source = yaml.safe_load((ROOT / "config" / "alerts.yml").read_text())
+    groups = [g for g in source["groups"] if g["name"] not in excluded]
+    for rule in (rule for group in groups for rule in group["rules"]):
+        annotations = rule.get("annotations", {})
+        if "runbook_url" in annotations:
+            anchor = annotations["runbook_url"].partition("#")[2]
+            annotations["runbook_url"] = f"{wanted['runbookBaseUrl']}#{anchor}"
+        if "alert" in rule and wanted.get("additionalLabels"):
+            rule["labels"] = {**wanted["additionalLabels"], **rule.get("labels", {})}
+    return groups
+
+
 def check_alert_rules(rendered: Rendered) -> list[str]:
-    """The PrometheusRule holds config/alerts.yml's groups, unchanged, less the excluded."""
+    """The PrometheusRule holds config/alerts.yml's groups, less the excluded, with the
+    runbook base and extra labels of the values (`expected_rule_groups`)."""
     wanted = rendered.values["metrics"]["prometheusRule"]
     rules = rendered.of_kind("PrometheusRule")
     if not wanted["enabled"]:
         return ["a PrometheusRule is rendered while disabled"] if rules else []
     if len(rules) != 1:
         return [f"{len(rules)} PrometheusRules rendered, expected 1"]
-    source = yaml.safe_load((ROOT / "config" / "alerts.yml").read_text())
-    expected = [g for g in source["groups"] if g["name"] not in wanted["excludeGroups"]]
+    expected = expected_rule_groups(rendered.values)
     got = rules[0].obj["spec"]["groups"]
     if got == expected:
         return []

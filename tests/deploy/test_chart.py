@@ -21,6 +21,7 @@ pytest.importorskip("kubernetes_validate", reason=_WHY)
 pytest.importorskip("jsonschema", reason=_WHY)
 pytest.importorskip("yaml", reason=_WHY)
 
+import yaml  # noqa: E402
 from deploy.chart import Manifest, RenderError  # noqa: E402
 from deploy.rendered import COMPONENT, Rendered, secret_ref  # noqa: E402
 
@@ -43,6 +44,10 @@ VALUE_SETS = {
     "unset-settings": (chart.VALUE_SETS["defaults"], check.UNSET_SETTINGS),
     "webhooks-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the webhook receiver off"]),
     "network-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the NetworkPolicies off"]),
+    "runbook-elsewhere": (
+        chart.VALUE_SETS["defaults"],
+        check.VARIANTS["the runbook elsewhere, extra alert labels"],
+    ),
 }
 _CACHE: dict[str, Rendered] = {}
 
@@ -871,6 +876,39 @@ def test_the_link_check_notices_a_copy_or_a_wrong_target(tmp_path: Path) -> None
     assert sources.check_links({right: source}) == []
     assert "not a copy" in sources.check_links({copied: source})[0]
     assert "points at" in sources.check_links({wrong: source})[0]
+
+
+# The alerts (issue 39).
+
+
+def _rendered_alerts(value_set: str) -> tuple[list[str], list[dict[str, Any]]]:
+    groups = _find(rendered_for(value_set), "PrometheusRule", "monitoring")["spec"]["groups"]
+    return [g["name"] for g in groups], [r for g in groups for r in g["rules"]]
+
+
+def test_a_fresh_install_has_every_alert_group_on() -> None:
+    """The reconcile group needs no textfile any more: the worker pods export its figures."""
+    names, _ = _rendered_alerts("defaults")
+    source = yaml.safe_load((chart.ROOT / "config" / "alerts.yml").read_text())
+    assert names == [g["name"] for g in source["groups"]]
+    assert "charge-worker.reconcile" in names
+    assert "charge-worker.jobs" in names
+
+
+def test_without_the_receiver_its_alert_group_is_left_out() -> None:
+    names, _ = _rendered_alerts("webhooks-off")
+    assert "charge-worker.webhooks" not in names
+    assert "charge-worker.reconcile" in names
+
+
+def test_runbook_links_and_extra_labels_follow_the_values() -> None:
+    _, rules = _rendered_alerts("runbook-elsewhere")
+    alerts = [r for r in rules if "alert" in r]
+    base = "https://wiki.example.com/billing/charge-worker-runbook#"
+    for rule in alerts:
+        assert rule["annotations"]["runbook_url"] == base + rule["alert"].lower()
+        assert rule["labels"]["team"] == "billing"
+        assert rule["labels"]["severity"] in {"critical", "warning"}  # its own label wins
 
 
 # The daily full sweep.
