@@ -102,8 +102,8 @@ async def test_a_real_reconcile_run_is_recorded_and_exported_as_its_metrics_file
     assert exported == families(path.read_text(), "charge_worker_reconcile_")
     assert len(exported) == len(RECONCILE_GAUGES)
     finished = await conn.fetchval("SELECT finished_at FROM job_runs")
-    assert registry.get_sample_value(SUCCESS, {"job": "reconcile"}) == finished.timestamp()
-    assert registry.get_sample_value(FAILURE, {"job": "reconcile"}) is None
+    assert registry.get_sample_value(SUCCESS, {"command": "reconcile"}) == finished.timestamp()
+    assert registry.get_sample_value(FAILURE, {"command": "reconcile"}) is None
 
 
 async def test_a_reconcile_that_ends_early_is_recorded_failed_and_shows_no_figures(
@@ -127,7 +127,7 @@ async def test_a_reconcile_that_ends_early_is_recorded_failed_and_shows_no_figur
     ]
     registry = CollectorRegistry()
     assert await JobGauges(registry).refresh(pool)
-    assert registry.get_sample_value(FAILURE, {"job": "reconcile"}) is not None
+    assert registry.get_sample_value(FAILURE, {"command": "reconcile"}) is not None
     # like the textfile, which only a finished run writes: nothing to alert on as found
     assert registry.get_sample_value("charge_worker_reconcile_errors") is None
     assert registry.get_sample_value("charge_worker_reconcile_last_run_timestamp_seconds") is None
@@ -197,7 +197,7 @@ async def test_the_gauges_show_the_latest_runs_and_the_oldest_open_due_charge(
     gauges = JobGauges(registry)
     assert await gauges.refresh(pool)
     assert registry.get_sample_value(OLDEST_DUE) == 0  # nothing open
-    assert registry.get_sample_value(SUCCESS, {"job": "produce"}) is None  # no run, no series
+    assert registry.get_sample_value(SUCCESS, {"command": "produce"}) is None  # no run, no series
     assert registry.get_sample_value("charge_worker_reconcile_double_charges") is None
 
     figures = dict.fromkeys(RECONCILE_GAUGES, 0) | {"double_charges": 2, "full": False}
@@ -209,17 +209,19 @@ async def test_the_gauges_show_the_latest_runs_and_the_oldest_open_due_charge(
     await record(conn, "produce", started_at=NOW, ok=True, summary={"due": 1})
     due = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
     for order_id, status, due_at in (
-        (1, "processing", due),  # the oldest open one
+        (1, "pending", due),  # the oldest not yet charged
         (2, "scheduled", due + dt.timedelta(days=1)),
         (3, "succeeded", due - dt.timedelta(days=30)),  # settled: not late
+        (4, "processing", due - dt.timedelta(days=3)),  # charged, its bank debit unsettled
+        (5, "retry_scheduled", due - dt.timedelta(days=3)),  # waiting for its next try
     ):
         await _row(conn, order_id, status, due_at)
 
     assert await gauges.refresh(pool)
 
     produced = await conn.fetchval("SELECT finished_at FROM job_runs WHERE job = 'produce'")
-    assert registry.get_sample_value(SUCCESS, {"job": "produce"}) == produced.timestamp()
-    assert registry.get_sample_value(FAILURE, {"job": "produce"}) is None
+    assert registry.get_sample_value(SUCCESS, {"command": "produce"}) == produced.timestamp()
+    assert registry.get_sample_value(FAILURE, {"command": "produce"}) is None
     # reconcile's figures: its latest run that finished (a key not handled), not the one
     # that ended early
     assert registry.get_sample_value("charge_worker_reconcile_errors") == 1
@@ -237,15 +239,16 @@ async def test_the_gauges_show_the_latest_runs_and_the_oldest_open_due_charge(
 async def _row(conn: asyncpg.Connection, order_id: int, status: str, due_at: dt.datetime) -> None:
     await conn.execute(
         "INSERT INTO charge_attempts (order_id, billing_period, idempotency_key, subscription_id,"
-        " customer_id, amount_minor, currency, due_at, status, gateway_charge_id)"
-        " VALUES ($1, $2, $3, $4, 'cus_ok', 99000, 'RUB', $5, $6, $7)",
+        " customer_id, amount_minor, currency, due_at, status, gateway_charge_id, retry_at)"
+        " VALUES ($1, $2, $3, $4, 'cus_ok', 99000, 'RUB', $5, $6, $7,"
+        " CASE WHEN $6 = 'retry_scheduled' THEN now() + interval '1 day' END)",
         order_id,
         due_at.date(),
         f"{order_id}:{due_at.date()}",
         f"sub_{order_id}",
         due_at,
         status,
-        None if status == "scheduled" else f"ch_{order_id}",
+        f"ch_{order_id}" if status in ("succeeded", "processing") else None,
     )
 
 
@@ -263,7 +266,7 @@ async def test_with_the_readme_grants_runs_are_recorded_and_read_and_a_failed_re
         registry = CollectorRegistry()
         gauges = JobGauges(registry)
         assert await gauges.refresh(pool)
-        before = registry.get_sample_value(SUCCESS, {"job": "produce"})
+        before = registry.get_sample_value(SUCCESS, {"command": "produce"})
         assert before is not None
 
         await roles.as_owner("REVOKE SELECT ON job_runs FROM charge_worker")
@@ -274,8 +277,8 @@ async def test_with_the_readme_grants_runs_are_recorded_and_read_and_a_failed_re
         await pool.close()
     assert [log["event"] for log in logs] == ["jobs.read_failed"]
     assert logs[0]["log_level"] == "warning"
-    assert registry.get_sample_value(SUCCESS, {"job": "produce"}) == before
-    assert registry.get_sample_value(FAILURE, {"job": "produce"}) is None
+    assert registry.get_sample_value(SUCCESS, {"command": "produce"}) == before
+    assert registry.get_sample_value(FAILURE, {"command": "produce"}) is None
 
     await roles.as_owner("REVOKE INSERT ON job_runs FROM charge_worker")
     with capture_logs() as logs:

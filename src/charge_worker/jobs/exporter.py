@@ -39,19 +39,19 @@ class JobGauges:
             "charge_worker_job_last_success_timestamp_seconds",
             "Unix time the job's last successful run finished (produce: exit status 0;"
             " reconcile: finished, every key handled; maintain: finished).",
-            ["job"],
+            ["command"],
             registry=registry,
         )
         self.last_failure = Gauge(
             "charge_worker_job_last_failure_timestamp_seconds",
             "Unix time the job's last failed run finished (produce: exit status not 0;"
             " reconcile: ended early, or a key not handled; maintain: ended early).",
-            ["job"],
+            ["command"],
             registry=registry,
         )
         self.oldest_due = Gauge(
             "charge_worker_oldest_due_unsettled_seconds",
-            "Seconds since the oldest charge still scheduled, pending or processing was due"
+            "Seconds since the oldest charge still scheduled or pending (not yet charged) was due"
             " (0: none).",
             registry=registry,
         )
