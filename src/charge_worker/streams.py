@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import ssl
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import nats
@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    ConsumerInfo,
     DeliverPolicy,
     RetentionPolicy,
     StorageType,
@@ -192,14 +193,14 @@ async def _ensure_consumer(
         # pause itself (the server keeps it on any update; said anyway)
         kept = dataclasses.replace(
             wanted,
-            metadata=_kept_metadata(info.config.metadata),
+            metadata=kept_metadata(info.config.metadata),
             pause_until=info.config.pause_until,
         )
         await js.add_consumer(stream, kept)
         report.updated.append(f"consumer {stream}/{wanted.durable_name}")
 
 
-def _kept_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+def kept_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
     """A consumer's metadata but the keys the server writes itself (`_nats.*`)."""
     kept = {k: v for k, v in (metadata or {}).items() if not k.startswith("_nats.")}
     return kept or None
@@ -242,6 +243,70 @@ class Position:
 
 
 NOTHING_WAITS = Position(first_seq=2**63 - 1, ack_floor=2**63 - 1, deleted=frozenset())
+
+
+# The kill switch's record in the durable consumer's metadata (`charge-worker pause`): who
+# paused it, when and why; the pause itself is the consumer's (JetStream's consumer pause).
+REASON_KEY = "charge-worker.paused_reason"
+AT_KEY = "charge-worker.paused_at"
+BY_KEY = "charge-worker.paused_by"
+RECORD_KEYS = (REASON_KEY, AT_KEY, BY_KEY)
+
+
+@dataclass(frozen=True)
+class PauseState:
+    """The durable consumer as the kill switch sees it."""
+
+    stream: str
+    consumer: str
+    paused: bool
+    paused_until: str | None
+    reason: str | None
+    paused_at: str | None
+    paused_by: str | None
+    pending: int
+    ack_pending: int
+
+    @classmethod
+    def of(cls, info: ConsumerInfo) -> PauseState:
+        metadata = info.config.metadata or {}
+        paused = bool(info.paused)
+        return cls(
+            stream=info.stream_name,
+            consumer=info.name,
+            paused=paused,
+            paused_until=info.config.pause_until if paused else None,
+            reason=metadata.get(REASON_KEY),
+            paused_at=metadata.get(AT_KEY),
+            paused_by=metadata.get(BY_KEY),
+            pending=info.num_pending or 0,
+            ack_pending=info.num_ack_pending or 0,
+        )
+
+    def line(self) -> str:
+        """One line for the operator: paused or delivering, since when, by whom, why."""
+        where = f"{self.stream}/{self.consumer}"
+        counts = f"{self.pending} waiting, {self.ack_pending} ack pending"
+        if not self.paused:
+            return f"{where} delivers; {counts}"
+        told = [
+            f"since {self.paused_at or 'unknown'}",
+            f"by {self.paused_by or 'unknown'}",
+            f"reason: {self.reason or 'none given'}",
+        ]
+        return f"{where} is paused, delivers nothing until resumed ({', '.join(told)}); {counts}"
+
+
+async def pause_state(js: JetStreamContext, cfg: NatsSettings) -> PauseState | None:
+    """The durable consumer's pause as it is now; None when there is no consumer."""
+    try:
+        return PauseState.of(await js.consumer_info(cfg.stream, cfg.durable, timeout=10))
+    except nats.js.errors.NotFoundError:
+        return None
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as error:
+        raise DependencyUnavailable(
+            f"JetStream did not say whether {cfg.durable} is paused: {error!r}"
+        ) from error
 
 
 async def position(nc: Client, cfg: NatsSettings) -> Position:

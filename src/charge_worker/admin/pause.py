@@ -32,58 +32,10 @@ from charge_worker import streams
 from charge_worker.display import printable
 from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, ProvisioningError
 from charge_worker.settings import NatsSettings, Settings
+from charge_worker.streams import AT_KEY, BY_KEY, REASON_KEY, RECORD_KEYS, PauseState
 
-REASON_KEY = "charge-worker.paused_reason"
-AT_KEY = "charge-worker.paused_at"
-BY_KEY = "charge-worker.paused_by"
-RECORD_KEYS = (REASON_KEY, AT_KEY, BY_KEY)
 # "until resumed": the latest time RFC 3339 can write
 PAUSED_UNTIL = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
-SERVER_KEYS = "_nats."  # metadata the server writes itself on every update
-
-
-@dataclasses.dataclass(frozen=True)
-class PauseState:
-    """The durable consumer as the kill switch sees it."""
-
-    stream: str
-    consumer: str
-    paused: bool
-    paused_until: str | None
-    reason: str | None
-    paused_at: str | None
-    paused_by: str | None
-    pending: int
-    ack_pending: int
-
-    @classmethod
-    def of(cls, info: ConsumerInfo) -> PauseState:
-        metadata = info.config.metadata or {}
-        paused = bool(info.paused)
-        return cls(
-            stream=info.stream_name,
-            consumer=info.name,
-            paused=paused,
-            paused_until=info.config.pause_until if paused else None,
-            reason=metadata.get(REASON_KEY),
-            paused_at=metadata.get(AT_KEY),
-            paused_by=metadata.get(BY_KEY),
-            pending=info.num_pending or 0,
-            ack_pending=info.num_ack_pending or 0,
-        )
-
-    def line(self) -> str:
-        """One line for the operator: paused or delivering, since when, by whom, why."""
-        where = f"{self.stream}/{self.consumer}"
-        counts = f"{self.pending} waiting, {self.ack_pending} ack pending"
-        if not self.paused:
-            return f"{where} delivers; {counts}"
-        told = [
-            f"since {self.paused_at or 'unknown'}",
-            f"by {self.paused_by or 'unknown'}",
-            f"reason: {self.reason or 'none given'}",
-        ]
-        return f"{where} is paused, delivers nothing until resumed ({', '.join(told)}); {counts}"
 
 
 def recorded(
@@ -98,11 +50,8 @@ def recorded(
 
 def cleared(metadata: Mapping[str, str] | None) -> dict[str, str]:
     """The consumer's metadata without the pause's record (nor the server's own keys)."""
-    return {
-        key: value
-        for key, value in (metadata or {}).items()
-        if key not in RECORD_KEYS and not key.startswith(SERVER_KEYS)
-    }
+    kept = streams.kept_metadata(metadata) or {}
+    return {key: value for key, value in kept.items() if key not in RECORD_KEYS}
 
 
 def paused_for_good(info: ConsumerInfo) -> bool:
