@@ -91,7 +91,7 @@ async def test_a_real_reconcile_run_is_recorded_and_exported_as_its_metrics_file
 
     assert code == 0
     [(job, ok, summary)] = await runs(conn)
-    assert (job, ok, summary.pop("full")) == ("reconcile", True, True)
+    assert (job, ok, summary.pop("full"), summary.pop("held")) == ("reconcile", True, True, False)
     assert set(summary) == set(RECONCILE_GAUGES) - {"last_run_timestamp_seconds"}
     assert (summary["discrepancies"], summary["republished"], summary["errors"]) == (1, 1, 0)
 

@@ -109,6 +109,8 @@ class Report:
     `charges_seen` charges; `candidates` keys decided on a lookup (`followups` of them
     from the queue of keys earlier runs left unsettled), and `lookups` made in all.
     `checkpoint`: what it stored (None: a dry run, or a `--since` that left a gap).
+    `held`: why a real run changed nothing, as a dry run does (the charges consumer is
+    paused: `charge-worker pause`), or None.
     """
 
     started_at: dt.datetime
@@ -118,6 +120,7 @@ class Report:
     until: dt.datetime | None = None
     checkpoint: dt.datetime | None = None
     skipped: str | None = None
+    held: str | None = None
     pages: int = 0
     charges_seen: int = 0
     candidates: int = 0
@@ -197,7 +200,9 @@ def _table(report: Report) -> Iterator[str]:
     if report.skipped:
         yield f"reconcile did nothing: {report.skipped}"
         return
-    mode = "  (dry run: nothing changed)" if report.dry_run else ""
+    if report.held:
+        yield f"held, changing nothing (as a dry run) while charging is paused: {report.held}"
+    mode = "  (dry run: nothing changed)" if report.dry_run or report.held else ""
     yield (
         f"reconcile at {_stamp(report.started_at)}, gateway history since"
         f" {_stamp(report.since)} ({report.mode})"
@@ -232,6 +237,7 @@ def to_json(report: Report, *, exit_code: int) -> dict[str, Any]:
     return {
         "ran": True,
         "dry_run": report.dry_run,
+        "held": report.held,
         "started_at": _stamp(report.started_at),
         "since": _stamp(report.since),
         "until": _stamp(report.until or report.started_at),

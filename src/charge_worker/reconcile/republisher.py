@@ -50,6 +50,13 @@ class NatsRepublisher:
         nc, _ = await self._connected()
         return await streams.position(nc, self.cfg)
 
+    async def paused(self) -> str | None:
+        """Who paused the charges consumer, when and why (`charge-worker pause`); None when
+        it delivers (or does not exist). `DependencyUnavailable` when NATS cannot say."""
+        _, js = await self._connected()
+        state = await streams.pause_state(js, self.cfg)
+        return state.line() if state is not None and state.paused else None
+
     async def republish(self, body: bytes, msg_id: str, *, traceparent: str | None) -> int:
         """Publish and wait for the stream's ack; return its sequence. The message carries
         `traceparent` when the row names one."""

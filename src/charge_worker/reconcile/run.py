@@ -116,7 +116,9 @@ async def reconcile_command(
         _stderr(f"Error: {type(error).__name__}: {_one_line(error)}")
         if not dry_run:
             ended = {"full": full, "error": type(error).__name__}
-            await note_run(settings.db, "reconcile", started_at=started, ok=False, summary=ended)
+            await note_run(
+                settings.db, "reconcile", started_at=started, ok=False, summary=ended, quiet=True
+            )
         return 1
     code = 0 if report.skipped else report.exit_code(fail_on_discrepancy=fail_on_discrepancy)
     if as_json:
@@ -130,7 +132,7 @@ async def reconcile_command(
             "reconcile",
             started_at=report.started_at,
             ok=not report.failures,
-            summary=asdict(report.counts) | {"full": full},
+            summary=asdict(report.counts) | {"full": full, "held": report.held is not None},
         )
     if metrics_file is not None and not report.skipped:
         try:
@@ -210,6 +212,9 @@ async def _run(
                 _pool(settings.db, 1) as tokens,  # keys hold `pool`'s while they wait for one
                 NatsRepublisher(settings.nats) as publisher,
             ):
+                # the kill switch is on: find, and change nothing (no refund, no re-publish,
+                # no repair, no checkpoint) until `charge-worker resume`
+                report.held = None if dry_run else await publisher.paused()
                 gateway.limiter = RateLimiter(
                     tokens, rate_per_s=settings.gateway.gateway_rate_limit
                 )
@@ -220,7 +225,7 @@ async def _run(
                     publisher,
                     report,
                     quiet_s=cfg.reconcile_quiet_s,
-                    dry_run=dry_run,
+                    dry_run=dry_run or report.held is not None,
                     progress=progress,
                     concurrency=concurrency,
                     retry_schedule=tuple(settings.retries.retry_schedule),
