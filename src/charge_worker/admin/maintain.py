@@ -48,7 +48,9 @@ async def maintain_command(settings: Settings, *, dry_run: bool, as_json: bool) 
     except ChargeWorkerError as error:
         if not dry_run:
             ended = {"error": type(error).__name__}
-            await note_run(settings.db, "maintain", started_at=now, ok=False, summary=ended)
+            await note_run(
+                settings.db, "maintain", started_at=now, ok=False, summary=ended, quiet=True
+            )
         raise
     made = [f"charge_events_{month:%Y_%m}" for month in months]
     dropped = [p.name for p in old]

@@ -109,9 +109,12 @@ async def note_run(
     started_at: dt.datetime,
     ok: bool,
     summary: Mapping[str, object],
+    quiet: bool = False,
 ) -> None:
     """Record a run at its end, on a connection of its own; a failure is logged as one
-    warning and swallowed: the run's outcome stands as it is."""
+    warning and swallowed: the run's outcome stands as it is. `quiet`: a run that ended
+    early, whose error line has said why; failing to record it (most likely for the same
+    cause) says nothing more, so that the error stays one line."""
     try:
         conn = await database.connect(db, application_name=f"charge-worker {job}")
         try:
@@ -119,6 +122,8 @@ async def note_run(
         finally:
             await database.close_quietly(conn)
     except ChargeWorkerError as error:
+        if quiet:
+            return
         log.warning("jobs.run_not_recorded", job=job, ok=ok, error=" ".join(str(error).split()))
 
 

@@ -70,7 +70,12 @@ async def produce_in_processes(
         shares = await _shares(settings, day, processes)
     except ChargeWorkerError as error:
         await note_run(
-            settings.db, "produce", started_at=started, ok=False, summary=failed(day, error)
+            settings.db,
+            "produce",
+            started_at=started,
+            ok=False,
+            summary=failed(day, error),
+            quiet=True,
         )
         raise
     if shares == [WHOLE]:  # one share, the whole run: a run of one process, recorded as one

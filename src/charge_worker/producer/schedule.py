@@ -188,7 +188,12 @@ async def produce_command(
     except ChargeWorkerError as error:
         if whole:
             await note_run(
-                settings.db, "produce", started_at=started, ok=False, summary=failed(day, error)
+                settings.db,
+                "produce",
+                started_at=started,
+                ok=False,
+                summary=failed(day, error),
+                quiet=True,
             )
         raise
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
