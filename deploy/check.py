@@ -24,6 +24,7 @@ from deploy import (
     pods,
     receiver,
     sources,
+    toolbox,
     validate,
     wiring,
     workloads,
@@ -68,6 +69,14 @@ RENDERED_CHECKS: list[tuple[str, Check]] = [
     (
         "wiring: each Deployment, Service, PDB, ServiceMonitor selects only its own workload",
         wiring.check_wiring,
+    ),
+    (
+        "restarts: every Deployment reading the ConfigMap rolls on its change (checksum/config)",
+        workloads.check_config_rollout,
+    ),
+    (
+        "toolbox: opt-in, idle, the worker's environment; nats and psql from their own images",
+        toolbox.check_toolbox,
     ),
     ("scaling: pods x concurrency <= max_ack_pending, KEDA trigger", workloads.check_scaling),
     (
@@ -195,6 +204,11 @@ REFUSALS = [
         "maintain.extraArgs must not hold --dry-run",
     ),
     Refusal(
+        "a toolbox image with neither a tag nor a digest",
+        {"toolbox": {"enabled": True, "nats": {"image": {"tag": ""}}}},
+        "/toolbox/nats/image",
+    ),
+    Refusal(
         "KEDA scaling to zero",
         {"keda": {"enabled": True, "minReplicaCount": 0, "natsServerMonitoringEndpoint": "n:8222"}},
         "minReplicaCount",
@@ -219,6 +233,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "the chart's copies of settings unset": UNSET_SETTINGS,
     "the webhook receiver off": {"webhooks": {"enabled": False}},
     "the NetworkPolicies off": {"networkPolicy": {"enabled": False}},
+    "the toolbox on": {"toolbox": {"enabled": True}},
     "the runbook elsewhere, extra alert labels": {
         "metrics": {
             "prometheusRule": {

@@ -108,6 +108,11 @@ def check_structure(text: str) -> list[str]:
         problems.append("pip installs the project with extras (the image takes runtime deps only)")
     if re.search(r"\b(build-essential|gcc|g\+\+|clang)\b", _joined(last, "RUN")):
         problems.append("the final stage installs a compiler")
+    if re.search(r"\b(postgresql-client\S*|natscli|nats-box)\b", _joined(last, "RUN")):
+        problems.append(
+            "the final stage installs an operator's tool (psql, nats): the chart's toolbox "
+            "runs them from their own images"
+        )
     users = [s.args for s in last if s.keyword == "USER"]
     if not users or not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", users[-1]):
         problems.append("the final stage must end as a numeric non-root USER (runAsNonRoot)")

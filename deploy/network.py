@@ -9,6 +9,7 @@
 | reconcile | nothing                                      | NATS, PostgreSQL, gateway         |
 | migrate   | nothing                                      | PostgreSQL                        |
 | maintain  | nothing                                      | PostgreSQL                        |
+| toolbox   | nothing (`kubectl exec` is not traffic)      | NATS, PostgreSQL, gateway         |
 
 The ports each target needs are read from the settings where they can be (`NATS_URL`,
 `SCORING_URL`, `GATEWAY_URL`; `DATABASE_URL` is a secret: its port is the values'). Each
@@ -31,6 +32,7 @@ EGRESS = {
     "reconcile": ("nats", "postgresql", "gateway"),
     "migrate": ("postgresql",),
     "maintain": ("postgresql",),
+    "toolbox": ("nats", "postgresql", "gateway"),
 }
 URL_OF = {"nats": "NATS_URL", "gateway": "GATEWAY_URL", "scoring": "SCORING_URL"}
 DEFAULT_PORTS = {"nats": 4222, "tls": 4222, "http": 80, "https": 443}

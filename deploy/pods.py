@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deploy import catalog
+from deploy import catalog, toolbox
 from deploy.rendered import Pod, Rendered, env_of, secret_ref
 from deploy.workloads import schema_owner
 
@@ -22,6 +22,7 @@ SECRETS_OF = {
     "reconcile": {"DATABASE_URL", "GATEWAY_API_KEY"},
     "migrate": {"DATABASE_URL"},
     "maintain": {"DATABASE_URL"},
+    "toolbox": {"DATABASE_URL", "GATEWAY_API_KEY"},
 }
 # The components that make and drop tables: their DATABASE_URL is the schema owner's (the
 # migration hook's Secret and key); every other pod's is the worker's least-privilege role.
@@ -35,7 +36,13 @@ NEEDS = {
     "reconcile": {"NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY"},
     "migrate": {"DATABASE_URL"},
     "maintain": {"DATABASE_URL"},
+    "toolbox": {"NATS_URL", "DATABASE_URL", "GATEWAY_URL", "GATEWAY_API_KEY"},
 }
+
+
+def _tool(pod: Pod, container: dict[str, Any]) -> bool:
+    """A container of the toolbox pod that runs a tool (nats, psql), not charge-worker."""
+    return pod.component == "toolbox" and container["name"] in toolbox.TOOLS
 
 
 def check_security(rendered: Rendered) -> list[str]:
@@ -111,15 +118,17 @@ def check_secrets(rendered: Rendered) -> list[str]:
         "the schema owner": schema_owner(rendered),
         "the worker role": (existing, rendered.values["secrets"]["databaseUrlKey"]),
         "the receiver's role": (own["existingSecret"], own["databaseUrlKey"]),
+        "psql's role": toolbox.psql_role(rendered),
     }
     if own["existingSecret"] == existing:
         problems.append(f"webhooks.secrets.existingSecret is the worker's Secret {existing}")
     for pod in rendered.pods():
-        wanted = SECRETS_OF.get(pod.component)
-        if wanted is None:
+        if pod.component not in SECRETS_OF:
             problems.append(f"{pod.where}: unknown component {pod.component!r}")
             continue
         for container in pod.containers:
+            tool = _tool(pod, container)
+            wanted = set(toolbox.TOOLS[container["name"]]) if tool else SECRETS_OF[pod.component]
             where = f"{pod.where} container {container['name']}"
             env = env_of(container)
             for name in sorted(secret_names & set(env)):
@@ -131,6 +140,7 @@ def check_secrets(rendered: Rendered) -> list[str]:
                     f"{where}: gets secrets {sorted(given)}, should get {sorted(wanted)}"
                 )
             secret = own["existingSecret"] if pod.component == "webhooks" else existing
+            secret = toolbox.psql_role(rendered)[0] if tool else secret
             for entry in env.values():
                 ref = secret_ref(entry)
                 if ref and pod.component not in SCHEMA_OWNER and ref[0] != secret:
@@ -140,6 +150,8 @@ def check_secrets(rendered: Rendered) -> list[str]:
                 if pod.component in SCHEMA_OWNER
                 else "the receiver's role"
                 if pod.component == "webhooks"
+                else "psql's role"
+                if tool
                 else "the worker role"
             )
             database = secret_ref(env.get("DATABASE_URL"))
@@ -170,7 +182,8 @@ def check_settings(rendered: Rendered) -> list[str]:
             where = f"{pod.where} container {container['name']}"
             environments[where] = environment = _environment(rendered, container)
             problems += _unknown_names(where, container)
-            missing = NEEDS.get(pod.component, set()) - {k for k, v in environment.items() if v}
+            needs = set() if _tool(pod, container) else NEEDS.get(pod.component, set())
+            missing = needs - {k for k, v in environment.items() if v}
             if missing:
                 problems.append(f"{where}: lacks {sorted(missing)}, which {pod.component} needs")
     if not any(p.component == "worker" for p in rendered.pods()):
@@ -215,6 +228,16 @@ def _unknown_names(where: str, container: dict[str, Any]) -> list[str]:
 NATS_USERS = frozenset({"worker", "produce", "reconcile"})
 
 
+def _nats_key(rendered: Rendered, component: str) -> str | None:
+    """The credentials file a component's pods mount: its own; the toolbox's
+    toolbox.natsCredentialsKey, else the worker's; None for those that never talk to NATS."""
+    if component == "toolbox":
+        return toolbox.nats_credentials_key(rendered)
+    if component in NATS_USERS:
+        return str(rendered.values["natsCredentials"]["keys"][component])
+    return None
+
+
 def check_nats_credentials(rendered: Rendered) -> list[str]:
     """Each component talking to NATS mounts its own credentials file and no other's, and
     points CHARGE_WORKER_NATS_CREDS_FILE at it; the others mount none."""
@@ -230,14 +253,17 @@ def check_nats_credentials(rendered: Rendered) -> list[str]:
             if volume["name"] == "nats-credentials"
             for item in (volume.get("secret") or {}).get("items") or []
         ]
-        wanted = (
-            [keys[pod.component]] if nats["existingSecret"] and pod.component in NATS_USERS else []
-        )
+        key = _nats_key(rendered, pod.component)
+        wanted = [key] if nats["existingSecret"] and key else []
         if mounted != wanted:
             problems.append(f"{pod.where}: mounts NATS credentials {mounted}, not {wanted}")
         for container in pod.containers:
             path = (env_of(container).get("CHARGE_WORKER_NATS_CREDS_FILE") or {}).get("value")
-            expected = f"{nats['mountPath'].rstrip('/')}/{wanted[0]}" if wanted else None
+            expected = (
+                f"{nats['mountPath'].rstrip('/')}/{wanted[0]}"
+                if wanted and not _tool(pod, container)
+                else None
+            )
             if path != expected:
                 problems.append(
                     f"{pod.where} container {container['name']}: "

@@ -262,3 +262,41 @@ def check_scaling(rendered: Rendered) -> list[str]:
                     f"{env} {rendered.setting(env)!r}"
                 )
     return problems
+
+
+CHECKSUM = "checksum/config"
+
+
+def check_config_rollout(rendered: Rendered) -> list[str]:
+    """Every Deployment whose containers read the chart's ConfigMap carries `checksum/config`
+    on its pod template, one value for all: a changed setting rolls its pods (environment
+    variables are read when a container starts). A Job's pods start with each run, and the
+    migration hook reads its settings inline: neither needs it. The chart renders no Secret,
+    so no annotation can follow one (the chart README, "Secrets and restarts")."""
+    config_map = rendered.only("ConfigMap", "worker")
+    if config_map is None:
+        return ["no settings ConfigMap rendered"]
+    problems = []
+    seen: dict[str, str] = {}
+    for deployment in rendered.of_kind("Deployment"):
+        template = deployment.obj["spec"]["template"]
+        if not any(_reads(c, config_map.name) for c in template["spec"]["containers"]):
+            continue
+        value = (template["metadata"].get("annotations") or {}).get(CHECKSUM)
+        if value is None:
+            problems.append(f"Deployment/{deployment.name}: reads the ConfigMap, no {CHECKSUM}")
+        else:
+            seen[deployment.name] = value
+    if len(set(seen.values())) > 1:
+        problems.append(f"{CHECKSUM} differs between Deployments: {seen}")
+    return problems
+
+
+def _reads(container: dict[str, Any], config_map: str) -> bool:
+    """The container takes settings from the ConfigMap (envFrom or a configMapKeyRef)."""
+    sources = [(s.get("configMapRef") or {}).get("name") for s in container.get("envFrom") or []]
+    refs = [
+        ((e.get("valueFrom") or {}).get("configMapKeyRef") or {}).get("name")
+        for e in container.get("env") or []
+    ]
+    return config_map in sources + refs

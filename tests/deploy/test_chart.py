@@ -34,6 +34,7 @@ from deploy import (  # noqa: E402
     pods,
     receiver,
     sources,
+    toolbox,
     validate,
     wiring,
     workloads,
@@ -44,6 +45,7 @@ VALUE_SETS = {
     "unset-settings": (chart.VALUE_SETS["defaults"], check.UNSET_SETTINGS),
     "webhooks-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the webhook receiver off"]),
     "network-off": (chart.VALUE_SETS["defaults"], check.VARIANTS["the NetworkPolicies off"]),
+    "toolbox-on": (chart.VALUE_SETS["defaults"], check.VARIANTS["the toolbox on"]),
     "runbook-elsewhere": (
         chart.VALUE_SETS["defaults"],
         check.VARIANTS["the runbook elsewhere, extra alert labels"],
@@ -121,7 +123,16 @@ def _policy(rendered: Rendered, component: str) -> dict[str, Any]:
 def test_every_pod_has_a_network_policy_of_both_types(value_set: str) -> None:
     rendered = rendered_for(value_set)
     components = {p.component for p in rendered.pods()}
-    assert components == {"worker", "webhooks", "produce", "reconcile", "migrate", "maintain"}
+    toolbox_on = {"toolbox"} if value_set == "all-on" else set()
+    assert components == {
+        "worker",
+        "webhooks",
+        "produce",
+        "reconcile",
+        "migrate",
+        "maintain",
+        *toolbox_on,
+    }
     for component in components:
         assert _policy(rendered, component)["policyTypes"] == ["Ingress", "Egress"]
 
@@ -204,6 +215,8 @@ def test_each_component_talking_to_nats_mounts_only_its_own_credentials(value_se
         return
     keys = nats["keys"]
     assert len(set(keys.values())) == len(keys) == 3
+    # the toolbox: an operator user's file of its own when given, else the worker's
+    keys = {**keys, "toolbox": rendered.values["toolbox"]["natsCredentialsKey"] or keys["worker"]}
     for pod in rendered.pods():
         volumes = [v for v in pod.spec["volumes"] if v["name"] == "nats-credentials"]
         env = {e["name"]: e for e in pod.containers[0]["env"]}
@@ -225,7 +238,7 @@ def test_the_pods_talking_to_nats_mount_its_client_certificate_and_point_at_it(
     NATS), migrate and maintain nothing (issue 34, item 10)."""
     rendered = rendered_for(value_set)
     tls = rendered.values["natsTls"]
-    talking = {"worker", "produce", "reconcile"}
+    talking = {"worker", "produce", "reconcile", "toolbox"}
     files = {"NATS_TLS_CERT": "certKey", "NATS_TLS_KEY": "keyKey", "NATS_TLS_CA": "caKey"}
     for pod in rendered.pods():
         volumes = [v for v in pod.spec["volumes"] if v["name"] == "nats-tls"]
@@ -263,7 +276,8 @@ def test_the_webhook_secrets_are_a_secret_setting() -> None:
 @pytest.mark.parametrize("value_set", chart.VALUE_SETS)
 def test_worker_and_receiver_selectors_do_not_overlap(value_set: str) -> None:
     rendered = rendered_for(value_set)
-    labels = {p.component: p.labels for p in rendered.pods() if p.component in wiring.WORKLOADS}
+    deployed = {*wiring.WORKLOADS, "toolbox"}
+    labels = {p.component: p.labels for p in rendered.pods() if p.component in deployed}
     selectors = {
         (m.kind, m.obj["metadata"]["labels"][COMPONENT]): m.obj["spec"]["selector"]
         for m in rendered.manifests
@@ -652,6 +666,53 @@ def _edited_dashboard(r: Rendered) -> None:
     dashboard["data"]["charge-worker.json"] = '{"title": "something else"}'
 
 
+def _toolbox_containers(r: Rendered) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in _pod(r, "toolbox")["containers"]}
+
+
+def _toolbox_runs_the_worker(r: Rendered) -> None:
+    _toolbox_containers(r)["toolbox"]["command"] = ["tini", "--", "charge-worker", "run"]
+
+
+def _toolbox_without_the_gateway_key(r: Rendered) -> None:
+    box = _toolbox_containers(r)["toolbox"]
+    box["env"] = [e for e in box["env"] if e["name"] != "GATEWAY_API_KEY"]
+
+
+def _psql_gets_the_gateway_key(r: Rendered) -> None:
+    key = _env(r, "worker", "GATEWAY_API_KEY")
+    _toolbox_containers(r)["psql"]["env"].append(copy.deepcopy(key))
+
+
+def _nats_from_the_workers_image(r: Rendered) -> None:
+    _toolbox_containers(r)["nats"]["image"] = _container(r, "worker")["image"]
+
+
+def _toolbox_as_the_worker_nats_user(r: Rendered) -> None:
+    nats = _toolbox_containers(r)["nats"]
+    creds = next(e for e in nats["env"] if e["name"] == "NATS_CREDS")
+    creds["value"] = "/etc/charge-worker/nats/charge-worker-run.creds"
+
+
+def _toolbox_serves(r: Rendered) -> None:
+    _toolbox_containers(r)["toolbox"]["ports"] = [{"name": "http", "containerPort": 9100}]
+
+
+def _toolbox_reaches_scoring(r: Rendered) -> None:
+    _policy(r, "toolbox")["egress"].append({"ports": [{"port": 8080, "protocol": "TCP"}]})
+
+
+def _toolbox_misses_the_checksum(r: Rendered) -> None:
+    del _find(r, "Deployment", "toolbox")["spec"]["template"]["metadata"]["annotations"][
+        "checksum/config"
+    ]
+
+
+def _receiver_on_an_old_checksum(r: Rendered) -> None:
+    annotations = _find(r, "Deployment", "webhooks")["spec"]["template"]["metadata"]["annotations"]
+    annotations["checksum/config"] = "0" * 64
+
+
 def _no_policy_for_produce(r: Rendered) -> None:
     r.manifests.remove(
         next(m for m in r.of_kind("NetworkPolicy") if m.name.endswith("-produce-network"))
@@ -796,6 +857,16 @@ BREAKAGES: list[tuple[Callable[[Rendered], None], Callable[[Rendered], list[str]
     (_egress_to_every_port, network.check_network_policy, "lets out every port"),
     (_no_dns, network.check_network_policy, "does not let out [('TCP', 53), ('UDP', 53)]"),
     (_only_ingress_restricted, network.check_network_policy, "not both"),
+    (_toolbox_runs_the_worker, toolbox.check_toolbox, "not an idle sleep"),
+    (_toolbox_without_the_gateway_key, toolbox.check_toolbox, "environment is not the worker's"),
+    (_toolbox_without_the_gateway_key, pods.check_secrets, "container toolbox: gets secrets"),
+    (_psql_gets_the_gateway_key, pods.check_secrets, "container psql: gets secrets"),
+    (_nats_from_the_workers_image, toolbox.check_toolbox, "the worker's image carries no nats"),
+    (_toolbox_as_the_worker_nats_user, toolbox.check_toolbox, "container nats: {'NATS_CREDS'"),
+    (_toolbox_serves, toolbox.check_toolbox, "the toolbox serves nothing"),
+    (_toolbox_reaches_scoring, network.check_network_policy, "which toolbox never uses"),
+    (_toolbox_misses_the_checksum, workloads.check_config_rollout, "no checksum/config"),
+    (_receiver_on_an_old_checksum, workloads.check_config_rollout, "differs between Deployments"),
     (_edited_alert, sources.check_alert_rules, "differ from config/alerts.yml"),
     (_edited_dashboard, sources.check_dashboard, "differs from config/grafana-dashboard.json"),
 ]
@@ -853,6 +924,15 @@ def test_dockerfile_checks_notice_a_careless_dockerfile(tmp_path: Path) -> None:
     for says in ("not multi-stage", "python:latest", "extras", "compiler", "USER", "ENTRYPOINT"):
         assert says in structure
     assert dockerfile.check_dockerignore(".venv\n") != []
+
+
+def test_the_operators_tools_stay_out_of_the_image() -> None:
+    """psql and nats come from the toolbox's own images, never the worker's."""
+    pinned = dockerfile.DOCKERFILE.read_text()
+    assert "operator's tool" not in " ".join(dockerfile.check_structure(pinned))
+    with_psql = pinned.replace("tini=0.19.0-1+b3", "tini=0.19.0-1+b3 postgresql-client-15")
+    assert with_psql != pinned
+    assert "operator's tool (psql, nats)" in " ".join(dockerfile.check_structure(with_psql))
 
 
 def test_a_base_pinned_by_tag_alone_is_refused() -> None:
@@ -997,3 +1077,171 @@ def test_maintain_can_be_left_out() -> None:
     assert rendered.only("NetworkPolicy", "maintain") is None
     assert workloads.check_cronjobs(rendered) == []
     assert network.check_network_policy(rendered) == []
+
+
+# Restarts: a changed setting rolls the pods that read it.
+
+
+def _checksums(overrides: dict[str, Any]) -> dict[str, str]:
+    """checksum/config of each Deployment, rendered with the toolbox on plus `overrides`."""
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(values, {"toolbox": {"enabled": True}})
+    chart.merge(values, overrides)
+    return {
+        m.obj["metadata"]["labels"][COMPONENT]: m.obj["spec"]["template"]["metadata"][
+            "annotations"
+        ]["checksum/config"]
+        for m in chart.render(values)
+        if m.kind == "Deployment"
+    }
+
+
+def test_a_changed_setting_rolls_every_deployment_that_reads_it() -> None:
+    before = _checksums({})
+    after = _checksums({"config": {"CHARGE_WORKER_LOG_LEVEL": "debug"}})
+    assert set(before) == {"worker", "webhooks", "toolbox"}
+    assert len(set(before.values())) == 1
+    for component in before:
+        assert after[component] != before[component], component
+
+
+def test_what_the_configmap_does_not_hold_leaves_the_checksum_alone() -> None:
+    before = _checksums({})
+    unrelated = {
+        "worker": {"replicas": 4},
+        "webhooks": {"replicas": 3},
+        "produce": {"suspend": True},
+    }
+    assert _checksums(unrelated) == before
+    # a secret's value is never the chart's to see: pointing at another Secret or key
+    # changes the pod template itself (which rolls the pods), never the checksum
+    other = {"secrets": {"existingSecret": "charge-worker-v2", "databaseUrlKey": "DSN_V2"}}
+    assert _checksums(other) == before
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(values, other)
+    rendered = Rendered(chart.render(values), chart.coalesced(values))
+    worker = _find(rendered, "Deployment", "worker")
+    assert secret_ref(_env_entry(worker, "DATABASE_URL")) == ("charge-worker-v2", "DSN_V2")
+
+
+def _env_entry(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return next(e for e in container["env"] if e["name"] == name)
+
+
+def test_jobs_and_the_hook_read_their_settings_afresh_at_each_run() -> None:
+    rendered = rendered_for("all-on")
+    config_map = _find(rendered, "ConfigMap")["metadata"]["name"]
+    for pod in rendered.pods():
+        if pod.owner.kind in {"CronJob", "Job"}:
+            spec = pod.owner.obj["spec"]
+            template = (
+                spec["jobTemplate"]["spec"]["template"]
+                if "jobTemplate" in spec
+                else spec["template"]
+            )
+            assert "checksum/config" not in (template["metadata"].get("annotations") or {})
+            sources = [s["configMapRef"]["name"] for s in pod.containers[0].get("envFrom", [])]
+            assert sources in ([config_map], []), pod.where  # the hook: inline env
+
+
+# The toolbox.
+
+
+def test_the_toolbox_is_off_by_default() -> None:
+    for value_set in ("defaults", "webhooks-off", "network-off"):
+        rendered = rendered_for(value_set)
+        labels = [m.obj["metadata"].get("labels", {}) for m in rendered.manifests]
+        assert "toolbox" not in {label.get(COMPONENT) for label in labels}, value_set
+
+
+def test_the_toolbox_runs_nothing_but_has_the_workers_environment() -> None:
+    rendered = rendered_for("all-on")
+    worker = _container(rendered, "worker")
+    containers = _toolbox_containers(rendered)
+    assert list(containers) == ["toolbox", "nats", "psql"]
+    box = containers["toolbox"]
+    assert box["image"] == worker["image"]
+    assert box["command"] == ["tini", "--", "sleep", "infinity"]
+    assert "args" not in box
+    assert "ports" not in box
+    assert box["envFrom"] == worker["envFrom"]
+    mine = {e["name"]: e for e in box["env"]}
+    theirs = {e["name"]: e for e in worker["env"]}
+    assert mine.pop("CHARGE_WORKER_NATS_CREDS_FILE") == {
+        "name": "CHARGE_WORKER_NATS_CREDS_FILE",
+        "value": "/etc/charge-worker/nats/charge-worker-operator.creds",
+    }
+    theirs.pop("CHARGE_WORKER_NATS_CREDS_FILE")
+    assert mine == theirs
+    assert _find(rendered, "Deployment", "toolbox")["spec"]["replicas"] == 1
+    assert not [
+        m
+        for m in rendered.manifests
+        if m.kind in {"Service", "PodDisruptionBudget", "ServiceMonitor"}
+        and m.obj["metadata"]["labels"].get(COMPONENT) == "toolbox"
+    ]
+
+
+def test_nats_and_psql_come_from_their_own_images_with_only_what_they_use() -> None:
+    containers = _toolbox_containers(rendered_for("all-on"))
+    nats, psql = containers["nats"], containers["psql"]
+    assert nats["image"] == (
+        "registry.example.com/mirror/nats-box@sha256:"
+        "89abcdef0123456789abcdef0123456789abcdef0123456789abcdef01234567"
+    )
+    assert psql["image"] == "registry.example.com/mirror/postgres:17-alpine"
+    nats_env = {e["name"]: e for e in nats["env"]}
+    assert nats_env["NATS_URL"]["valueFrom"]["configMapKeyRef"]["key"] == "NATS_URL"
+    assert nats_env["NATS_CREDS"]["value"] == "/etc/charge-worker/nats/charge-worker-operator.creds"
+    assert nats_env["NATS_CA"]["value"] == "/etc/charge-worker/nats-tls/ca.crt"
+    assert not [e for e in nats["env"] if secret_ref(e)]
+    psql_env = {e["name"]: e for e in psql["env"]}
+    assert [n for n, e in psql_env.items() if secret_ref(e)] == ["DATABASE_URL"]
+    assert secret_ref(psql_env["DATABASE_URL"]) == (
+        "charge-worker-readonly",
+        "READONLY_DATABASE_URL",
+    )
+    assert psql_env["PGSSLROOTCERT"]["value"] == "/etc/charge-worker/postgres-tls/ca.crt"
+    for container in (nats, psql):
+        assert {"name": "HOME", "value": "/tmp"} in container["env"]
+    assert "nats-credentials" not in {m["name"] for m in psql["volumeMounts"]}
+
+
+def test_the_toolbox_defaults_to_the_workers_nats_user_and_role() -> None:
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(values, {"toolbox": {"enabled": True}})
+    chart.merge(values, {"natsCredentials": {"existingSecret": "charge-worker-nats"}})
+    rendered = Rendered(chart.render(values), chart.coalesced(values))
+    assert toolbox.check_toolbox(rendered) == []
+    assert pods.check_nats_credentials(rendered) == []
+    containers = _toolbox_containers(rendered)
+    creds = next(e for e in containers["nats"]["env"] if e["name"] == "NATS_CREDS")
+    assert creds["value"] == "/etc/charge-worker/nats/worker.creds"
+    psql_dsn = next(e for e in containers["psql"]["env"] if e["name"] == "DATABASE_URL")
+    assert secret_ref(psql_dsn) == ("charge-worker", "DATABASE_URL")
+
+
+def test_the_tools_can_be_left_out() -> None:
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(
+        values,
+        {"toolbox": {"enabled": True, "nats": {"enabled": False}, "psql": {"enabled": False}}},
+    )
+    rendered = Rendered(chart.render(values), chart.coalesced(values))
+    assert list(_toolbox_containers(rendered)) == ["toolbox"]
+    assert toolbox.check_toolbox(rendered) == []
+
+
+def test_the_toolbox_may_reach_nats_postgresql_and_the_gateway_only() -> None:
+    policy = _policy(rendered_for("all-on"), "toolbox")
+    assert policy["ingress"] == []
+    ports = {(p["protocol"], p["port"]) for rule in policy["egress"] for p in rule["ports"]}
+    assert ports == {
+        ("TCP", 4222),
+        ("TCP", 5432),
+        ("TCP", 443),
+        ("UDP", 53),
+        ("TCP", 53),
+        ("TCP", 4317),  # values-all-on.yaml's extraEgress
+    }

@@ -219,7 +219,12 @@ reconcile: natsCredentials.keys), when set.
 {{/* The Secret key of `component`'s NATS credentials file (natsCredentials.keys): each
      component talking to NATS is a user of its own (docs/nats-permissions.md). */}}
 {{- define "charge-worker.natsCredentialsKey" -}}
+{{- if eq .component "toolbox" }}
+{{- /* the toolbox: an operator user's file when toolbox.natsCredentialsKey names one, else the worker's */}}
+{{- default (include "charge-worker.natsCredentialsKey" (dict "ctx" .ctx "component" "worker")) .ctx.Values.toolbox.natsCredentialsKey }}
+{{- else }}
 {{- required (printf "natsCredentials.keys.%s is required: the credentials file of its NATS user" .component) (index .ctx.Values.natsCredentials.keys .component) }}
+{{- end }}
 {{- end }}
 
 {{/* Volumes of the worker pods: a writable /tmp (the root filesystem is read-only), the
@@ -376,36 +381,6 @@ configuration that would break the promise or page for nothing.
 {{- end }}
 
 {{/*
-The alert rules of config/alerts.yml (the chart's files/alerts.yml is a symlink to it),
-less the groups in metrics.prometheusRule.excludeGroups.
-*/}}
-{{- define "charge-worker.ruleGroups" -}}
-{{- $rules := .Files.Get "files/alerts.yml" | fromYaml }}
-{{- if or (not $rules) (hasKey $rules "Error") (not $rules.groups) }}
-{{- fail (printf "files/alerts.yml (a symlink to config/alerts.yml) is missing, empty or not valid YAML %s" (get $rules "Error")) }}
-{{- end }}
-{{- $exclude := .Values.metrics.prometheusRule.excludeGroups }}
-{{- $names := list }}
-{{- $kept := list }}
-{{- range $rules.groups }}
-{{- $names = append $names .name }}
-{{- if not (has .name $exclude) }}
-{{- $kept = append $kept . }}
-{{- end }}
-{{- end }}
-{{- range $exclude }}
-{{- if not (has . $names) }}
-{{- fail (printf "metrics.prometheusRule.excludeGroups names %q, which config/alerts.yml does not have (it has %s)" . (join ", " $names)) }}
-{{- end }}
-{{- end }}
-{{- $reconcileMetrics := and .Values.reconcile.enabled .Values.reconcile.metricsFile.enabled }}
-{{- if and (has "charge-worker.reconcile" $names) (not (has "charge-worker.reconcile" $exclude)) (not $reconcileMetrics) }}
-{{- fail "the alert group charge-worker.reconcile needs the reconcile CronJob's gauges, which reach Prometheus only through reconcile.metricsFile (node-exporter's textfile collector); enable reconcile.metricsFile, or add charge-worker.reconcile to metrics.prometheusRule.excludeGroups (ChargeWorkerReconcileNotRunning would fire forever)" }}
-{{- end }}
-{{- toYaml (dict "groups" $kept) }}
-{{- end }}
-
-{{/*
 The pod template of a CronJob's Jobs. `job` is the CronJob's values (produce, reconcile or
 maintain), `args` the command line, `keys` the Secret keys it gets (see secretEnv; the NATS
 credentials file is mounted only with "natsCredentials"), `volumes`/`mounts` extra ones.
@@ -489,5 +464,15 @@ spec:
 {{- fail (printf "networkPolicy.egress.%s.ports %v lack port %d of %s: its pods could not reach %s" $.target $allowed $port $.setting (trim $url)) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* An image from an {repository, tag, digest} value (the toolbox's nats and psql
+     containers): a digest, when given, pins it whatever the tag says. */}}
+{{- define "charge-worker.otherImage" -}}
+{{- if .digest }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else }}
+{{- printf "%s:%s" .repository .tag }}
 {{- end }}
 {{- end }}
