@@ -9,6 +9,7 @@ The names are charge-worker's defaults (the doc's), so each test has a server of
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from nats.aio.client import Client
 
 from charge_worker import dlq, streams
+from charge_worker.admin.pause import pause, resume
 from charge_worker.reconcile.republisher import NatsRepublisher
 from charge_worker.sandbox.embedded import NatsServer
 from charge_worker.sandbox.serve import ServedApp
@@ -282,6 +284,26 @@ async def test_provision_applies_drift_and_the_others_cannot(
     assert await refused_publish(provision, OUTCOME_SUBJECT)
     worker = await connect("worker")
     assert await refused_publish(worker, "$JS.API.STREAM.UPDATE.CHARGES")
+
+
+async def test_the_kill_switch_is_the_provision_users_and_no_pods(
+    server: NatsServer, connect: Connect
+) -> None:
+    """`pause` and `resume` run as the operator's `provision` user; the worker and reconcile
+    users (the pods') cannot pause."""
+    cfg = settings_as(server, "provision")
+    js = (await connect("provision")).nc.jetstream()
+    await streams.provision(js, cfg)
+    now = dt.datetime.now(dt.UTC)
+
+    state, _ = await pause(js, cfg, reason="drill", by="on-call", now=now)
+    assert (state.paused, state.reason) == (True, "drill")
+    state, _ = await resume(js, cfg)
+    assert not state.paused
+    for user in ("worker", "reconcile"):
+        assert await refused_publish(
+            await connect(user), "$JS.API.CONSUMER.PAUSE.CHARGES.charges-worker"
+        )
 
 
 async def test_without_a_user_nothing_is_published(server: NatsServer) -> None:

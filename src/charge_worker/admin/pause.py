@@ -153,8 +153,11 @@ async def _with_metadata(
     js: JetStreamContext, cfg: NatsSettings, info: ConsumerInfo, metadata: dict[str, str]
 ) -> ConsumerInfo:
     """The consumer updated with this metadata, every other field as the server has it
-    (an update keeps the pause: only the pause API changes it)."""
-    config = dataclasses.replace(info.config, metadata=metadata or None)
+    (an update keeps the pause: only the pause API changes it). Sent as `provision` sends
+    it, by durable name alone: with the server's `name` in it, nats-py would send it to
+    `CONSUMER.CREATE.<stream>.<name>.<filter>`, a subject the documented users are not
+    allowed (docs/nats-permissions.md)."""
+    config = dataclasses.replace(info.config, metadata=metadata or None, name=None)
     return await js.add_consumer(cfg.stream, config)
 
 
