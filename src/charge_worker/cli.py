@@ -310,6 +310,23 @@ def explain(order_id: int, billing_period: dt.datetime, as_json: bool, ask_gatew
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print everything read as one JSON object.")
+def status(as_json: bool) -> None:
+    """One screen for the on-call: is charging paused, how far behind is it, what died.
+
+    The kill switch (who paused, when, why), the consumer's lag, ack-pending against its
+    limit and redeliveries, the oldest due charge not yet charged, dead letters by reason,
+    the latest produce, reconcile (and its findings) and maintain runs, the outbox's oldest
+    unsent event, deferred scoring checks pending. Breakers are per pod: see
+    charge_worker_breaker_open on each worker's /metrics. Exits 1, after showing what it
+    could read, when a part could not be read (one line each).
+    """
+    from charge_worker.admin import status_command  # noqa: PLC0415
+
+    raise SystemExit(_run(status_command(_settings(), as_json=as_json)))
+
+
+@main.command()
 @click.argument("order_id", type=int)
 @click.argument("billing_period", type=click.DateTime(formats=["%Y-%m-%d"]))
 @click.option("--json", "as_json", is_flag=True, help="Print the try started as JSON.")

@@ -136,7 +136,18 @@ EXPLAIN = Needs(
         Grant("charge_tries", ("SELECT",)),
     ),
 )
-EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RETRY, RECONCILE, EXPLAIN)
+# `charge-worker status`: it reads the jobs' runs, the open due charges, the outbox's
+# oldest unsent event and the deferred checks pending; it writes nothing
+STATUS = Needs(
+    "status",
+    (
+        Grant("charge_attempts", ("SELECT",)),
+        Grant("job_runs", ("SELECT",)),
+        Grant("charge_outcomes", ("SELECT",)),
+        Grant("deferred_scoring_checks", ("SELECT",)),
+    ),
+)
+EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RETRY, RECONCILE, EXPLAIN, STATUS)
 
 
 def _describe(table: str, privilege: str, serial: str, granted: bool | None) -> str:

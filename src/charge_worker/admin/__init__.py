@@ -1,10 +1,12 @@
 """Operators' commands: `provision` (the streams), `maintain` (the stores' retention),
-`dlq list | show | replay`, and `pause` / `resume` (the kill switch)."""
+`dlq list | show | replay`, `pause` / `resume` (the kill switch), and `status` (one screen
+for the on-call)."""
 
 from charge_worker.admin.dlq import list_command, replay_command, show_command
 from charge_worker.admin.maintain import maintain_command
 from charge_worker.admin.pause import pause_command, resume_command
 from charge_worker.admin.provision import provision_command
+from charge_worker.admin.status import status_command
 
 __all__ = [
     "list_command",
@@ -14,4 +16,5 @@ __all__ = [
     "replay_command",
     "resume_command",
     "show_command",
+    "status_command",
 ]
