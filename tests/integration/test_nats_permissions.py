@@ -22,10 +22,11 @@ from nats.aio.client import Client
 
 from charge_worker import dlq, streams
 from charge_worker.admin.pause import pause, resume
+from charge_worker.admin.status import gather
 from charge_worker.reconcile.republisher import NatsRepublisher
 from charge_worker.sandbox.embedded import NatsServer
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import NatsSettings
+from charge_worker.settings import NatsSettings, Settings
 from tests.support.harness import due, eventually, running_worker, settings_for
 
 DOC = Path(__file__).parents[2] / "docs" / "nats-permissions.md"
@@ -238,7 +239,7 @@ async def test_reconcile_sees_where_the_consumer_stands_and_republishes_nothing_
     assert await refused_publish(reconcile, "$JS.API.CONSUMER.MSG.NEXT.CHARGES.charges-worker")
 
 
-async def test_the_dlq_operator_replays_but_cannot_forge_a_dead_letter(
+async def test_the_dlq_operator_replays_and_reads_status_but_cannot_forge_a_dead_letter(
     server: NatsServer, connect: Connect
 ) -> None:
     provision = await connect("provision")
@@ -258,6 +259,10 @@ async def test_the_dlq_operator_replays_but_cannot_forge_a_dead_letter(
         report = await letters.replay(seqs)
     assert seqs == [1]
     assert report.summary() == "replayed 1, skipped as duplicates 0, missing 0"
+    status = await gather(Settings(nats=settings_as(server, "dlq")), dead_letters_read=10)
+    assert [f.part for f in status.failed] == ["database"]  # every NATS part read
+    assert status.dead_letters is not None
+    assert status.charging is not None
     operator = await connect("dlq")
     assert await refused_publish(operator, "charges.dlq")
     assert await refused_publish(operator, OUTCOME_SUBJECT)
