@@ -233,7 +233,7 @@ def produce(
     raise SystemExit(_run(command))
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option(
     "--since",
     type=click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S"]),
@@ -253,7 +253,9 @@ def produce(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the run's figures in Prometheus text format (node-exporter textfile collector).",
 )
+@click.pass_context
 def reconcile(
+    ctx: click.Context,
     *,
     since: dt.datetime | None,
     full: bool,
@@ -268,9 +270,12 @@ def reconcile(
     by lookup, re-publishes due charges that went quiet (a broker that lost messages), and
     reports charges the ledger has but the gateway does not (never "fixed" by charging).
     Safe to run next to workers and next to itself. A CronJob, every 15 minutes.
+    `reconcile resolve` marks a key's findings reviewed by a person.
     """
     from charge_worker.reconcile import reconcile_command  # noqa: PLC0415
 
+    if ctx.invoked_subcommand is not None:  # `reconcile resolve`: the run's options unused
+        return
     start = since.replace(tzinfo=dt.UTC) if since else None
     raise SystemExit(
         _run(
@@ -285,6 +290,33 @@ def reconcile(
             )
         )
     )
+
+
+@reconcile.command("resolve")
+@click.argument("order_id", type=int)
+@click.argument("billing_period", type=click.DateTime(formats=["%Y-%m-%d"]))
+@click.option("--note", required=True, help="What the review found and did; kept with it.")
+@click.option("--by", help="Who reviewed (default: user@host of this shell).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was reviewed as JSON.")
+def reconcile_resolve(
+    order_id: int, billing_period: dt.datetime, note: str, by: str | None, as_json: bool
+) -> None:
+    """Mark a key's discrepancy and unmatched charges reviewed, so their alerts clear.
+
+    Covers exactly the findings reconcile reports for the key now (a charge found later is
+    a new finding); later runs count them as `reviewed`. Refunds and records nothing. Exits
+    1 (one line) when the key has nothing to review; 0 when reviewed, or reviewed already.
+    """
+    from charge_worker.admin.pause import operator  # noqa: PLC0415
+    from charge_worker.reconcile import resolve_command  # noqa: PLC0415
+
+    if not note.strip():
+        raise click.UsageError("--note must say what the review found")
+    period = billing_period.date()
+    command = resolve_command(
+        _settings(), order_id, period, note=note, by=by or operator(), as_json=as_json
+    )
+    raise SystemExit(_run(command))
 
 
 @main.command()

@@ -3,7 +3,8 @@
 The ledger row says where the charge stands, and its current try; `charge_tries` the
 period's earlier tries (each declined); `charge_events` says how it got there
 (scheduled, published, every delivery with its claim, scoring, lookup, gateway answer and
-action, every gateway call, reconcile's repairs); `--gateway` adds what the gateway holds.
+action, every gateway call, reconcile's repairs and findings, a person's review of them);
+`--gateway` adds what the gateway holds.
 Much of it came from message bodies and the gateway: each line is printed escaped
 (`display.printable`), so that no escape sequence in it reaches the terminal.
 """
@@ -241,6 +242,9 @@ def _outcome_lines(count: int, kept: list[dict[str, Any]]) -> list[str]:
 def describe(event: events.Event) -> str:
     """One line for one event, in words."""
     d = event.detail
+    if event.kind == "reviewed":  # `reconcile resolve`: by whom is the event's actor
+        found = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in d.items() if k != "note")
+        return f"{found} reviewed: {d.get('note')}"
     if event.kind != "delivery":
         return ", ".join(f"{k} {v}" for k, v in d.items())
     parts = [f"delivery {d.get('delivery')} of stream seq {d.get('stream_seq')}"]

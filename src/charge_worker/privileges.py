@@ -124,6 +124,17 @@ RECONCILE = Needs(
         # a period's earlier tries: their keys and charges
         Grant("charge_tries", ("SELECT",)),
         _RUN_RECORD,
+        # findings a person has reviewed: counted apart by each run, written by `resolve`
+        Grant("reconcile_reviews", ("SELECT", "INSERT")),
+    ),
+)
+# `charge-worker reconcile resolve`: a person's review of a key's findings, and its event
+RESOLVE = Needs(
+    "reconcile resolve",
+    (
+        Grant("charge_attempts", ("SELECT",)),
+        Grant("charge_events", ("SELECT", "INSERT"), serial="id"),
+        Grant("reconcile_reviews", ("SELECT", "INSERT")),
     ),
 )
 EXPLAIN = Needs(
@@ -147,7 +158,7 @@ STATUS = Needs(
         Grant("deferred_scoring_checks", ("SELECT",)),
     ),
 )
-EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RETRY, RECONCILE, EXPLAIN, STATUS)
+EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RETRY, RECONCILE, RESOLVE, EXPLAIN, STATUS)
 
 
 def _describe(table: str, privilege: str, serial: str, granted: bool | None) -> str:

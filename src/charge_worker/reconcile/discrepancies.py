@@ -8,7 +8,8 @@ index `charge_attempts_unseen_idx` holds only those, so this sweep reads them an
 ledger. Each settled before the run began (a later one may be on the next run's pages)
 and inside the window is looked up: a charge made before the window, or recorded after
 its page was read, is marked then; one the gateway does not have for the key is reported,
-every run, with one `discrepancy` event ever.
+every run, with one `discrepancy` event ever; once a person has reviewed it
+(`reconcile resolve`), as `reviewed` instead (its alert clears).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncpg
 
 from charge_worker.gateway import GatewayCharge
 from charge_worker.messages import idempotency_key
+from charge_worker.reconcile import reviews
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.report import Finding
 from charge_worker.reconcile.sweeper import BATCH, Db, Sweeper
@@ -99,21 +101,30 @@ async def shown_once(run: Sweeper, conn: Db, key: Key, charge_id: str) -> None:
 
 async def _confirm(run: Sweeper, key: Key, charge_id: str) -> None:
     found = await run.lookup(key)
-    if any(c.id == charge_id and c.charged for c in found):
-        # charged before the window, or recorded after its page was read
-        async with run.pool.acquire() as conn:
-            await shown_once(run, conn, key, charge_id)
-        return
-    gateway = [f"{c.id} {_state(c)}" for c in found] or "nothing for this key"
-    run.report.counts.discrepancies += 1
-    detail = {"ledger_charge_id": charge_id, "gateway": gateway}
-    run.report.add("discrepancies", Finding(*key, "ledger charged, gateway not", detail))
-    if run.dry_run:
-        return
     async with run.pool.acquire() as conn:
-        if not await conn.fetchval(_REPORTED, *key, charge_id):
-            what = "ledger succeeded, gateway lacks it"
-            await run.event(conn, key, "discrepancy", what=what, **detail)
+        if any(c.id == charge_id and c.charged for c in found):
+            # charged before the window, or recorded after its page was read
+            await shown_once(run, conn, key, charge_id)
+            return
+        await _report(run, conn, key, charge_id, found)
+
+
+async def _report(
+    run: Sweeper, conn: Db, key: Key, charge_id: str, found: list[GatewayCharge]
+) -> None:
+    """A discrepancy, or, once a person has reviewed it (`reconcile resolve`), `reviewed`."""
+    gateway = [f"{c.id} {_state(c)}" for c in found] or "nothing for this key"
+    detail = {"ledger_charge_id": charge_id, "gateway": gateway}
+    if looked := await reviews.reviewed(conn, key, "discrepancy", [charge_id]):
+        for finding in reviews.findings(key, "discrepancy", {charge_id: charge_id}, looked):
+            run.report.add("reviewed", finding)
+        run.report.reviewed += 1
+        return
+    run.report.counts.discrepancies += 1
+    run.report.add("discrepancies", Finding(*key, "ledger charged, gateway not", detail))
+    if not run.dry_run and not await conn.fetchval(_REPORTED, *key, charge_id):
+        what = "ledger succeeded, gateway lacks it"
+        await run.event(conn, key, "discrepancy", what=what, **detail)
 
 
 def _state(charge: GatewayCharge) -> str:

@@ -26,6 +26,7 @@ Sweep = Literal[
     "lost_messages",
     "discrepancies",
     "unmatched_charges",
+    "reviewed",
 ]
 SWEEPS: tuple[Sweep, ...] = (
     "forgotten_charges",
@@ -35,6 +36,7 @@ SWEEPS: tuple[Sweep, ...] = (
     "lost_messages",
     "discrepancies",
     "unmatched_charges",
+    "reviewed",
 )
 TITLES: dict[Sweep, str] = {
     "forgotten_charges": "forgotten charges",
@@ -44,6 +46,7 @@ TITLES: dict[Sweep, str] = {
     "lost_messages": "lost messages",
     "discrepancies": "discrepancies",
     "unmatched_charges": "unmatched charges",
+    "reviewed": "reviewed",
 }
 
 
@@ -84,6 +87,8 @@ class Counts:
     message was gone; `adopted_rows` those for keys whose row was lost altogether (a
     database failover), recorded from their subscription. `still_waiting` counts quiet open rows
     whose message still waits in the stream (a queue, not a loss: nothing done).
+    A discrepancy or unmatched charge a person has reviewed (`reconcile resolve`) is in
+    neither count, so its alert clears: `Report.reviewed` counts it.
     """
 
     double_charges: int = 0
@@ -110,7 +115,9 @@ class Report:
     from the queue of keys earlier runs left unsettled), and `lookups` made in all.
     `checkpoint`: what it stored (None: a dry run, or a `--since` that left a gap).
     `held`: why a real run changed nothing, as a dry run does (the charges consumer is
-    paused: `charge-worker pause`), or None.
+    paused: `charge-worker pause`), or None. `reviewed`: the discrepancies and unmatched
+    charges found that a person has reviewed (`reconcile resolve`), listed apart and in no
+    count the alerts read.
     """
 
     started_at: dt.datetime
@@ -126,6 +133,7 @@ class Report:
     candidates: int = 0
     followups: int = 0
     lookups: int = 0
+    reviewed: int = 0
     counts: Counts = field(default_factory=Counts)
     findings: dict[Sweep, list[Finding]] = field(
         default_factory=lambda: {sweep: [] for sweep in SWEEPS}
@@ -176,6 +184,7 @@ def _found(report: Report, sweep: Sweep) -> int:
         "double_charges": report.counts.double_charges,
         "discrepancies": report.counts.discrepancies,
         "unmatched_charges": report.counts.unmatched_charges,
+        "reviewed": report.reviewed,
     }
     return counted.get(sweep, len(report.findings[sweep]))
 

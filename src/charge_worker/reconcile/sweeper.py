@@ -27,7 +27,7 @@ from charge_worker.declines import decline_class
 from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, SettingsError
 from charge_worker.gateway import Gateway, GatewayCharge
 from charge_worker.messages import idempotency_key
-from charge_worker.reconcile import proof
+from charge_worker.reconcile import proof, reviews
 from charge_worker.reconcile.candidates import Key
 from charge_worker.reconcile.history import patiently
 from charge_worker.reconcile.report import Finding, Report, Sweep
@@ -272,11 +272,21 @@ class Sweeper:
         charges: list[GatewayCharge],
     ) -> bool:
         """Report captured charges reconcile may neither refund nor record, for a person
-        (once per run, one `discrepancy` event per charge ever); True if there are any."""
+        (once per run, one `discrepancy` event per charge ever); True if there are any.
+        Those a person has reviewed (`reconcile resolve`) are reported as `reviewed`."""
         new = [c for c in charges if c.id not in self.unmatched]
         if not new:
             return bool(charges)
         self.unmatched.update(c.id for c in new)
+        looked = await reviews.reviewed(conn, key, "unmatched", [c.id for c in new])
+        if looked:
+            described = {c.id: f"{c.id} {c.fingerprint}" for c in new}
+            for finding in reviews.findings(key, "unmatched", described, looked):
+                self.report.add("reviewed", finding)
+            self.report.reviewed += len(looked)
+            new = [c for c in new if c.id not in looked]
+            if not new:
+                return True
         self.report.counts.unmatched_charges += len(new)
         said = ledger.describe() if ledger else "no ledger row"
         detail = {"ledger": said, "charges": [f"{c.id} {c.fingerprint}" for c in new]}
