@@ -20,6 +20,8 @@ Kinds, and who writes them:
 | `discrepancy`  | reconcile  | what disagrees: a ledger charge the gateway lacks, or a       |
 |                |            | captured charge not proven the key's own (`charge_id`, never  |
 |                |            | refunded); once per charge                                    |
+| `reviewed`     | a person   | `reconcile resolve`: the note, the charge ids reviewed        |
+|                |            | (discrepancies, unmatched charges): no longer counted         |
 | `webhook`      | webhooks   | event id, type, charge id, revision, outcome, looked up       |
 
 Writing an event never decides anything: a failure to write one is logged and ignored. The
