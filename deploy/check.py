@@ -242,6 +242,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
             }
         }
     },
+    "the alerts not scoped to the namespace": {
+        "metrics": {"prometheusRule": {"scopeToNamespace": False}}
+    },
 }
 
 

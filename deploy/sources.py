@@ -3,6 +3,8 @@
 - The alert rules: `helm/charge-worker/files/alerts.yml` is a symlink to
   `config/alerts.yml` (Helm follows it when it loads or packages the chart), and the
   rendered PrometheusRule must hold exactly its groups, less the excluded ones.
+  With metrics.prometheusRule.scopeToNamespace every rule reads only its release's
+  namespace (`scoped_expr`, mirrored by the chart's `charge-worker.scopedExpr`).
 - The dashboard: likewise `files/grafana-dashboard.json`.
 - The settings: values.schema.json's `config` names exactly the settings of
   `charge_worker.settings` that a ConfigMap may carry; the chart's appVersion is the
@@ -19,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from deploy import catalog
+from deploy import catalog, chart
 from deploy.chart import CHART, ROOT
 from deploy.rendered import Rendered
 
@@ -47,10 +49,64 @@ def check_links(embedded: dict[Path, Path] | None = None) -> list[str]:
     return problems
 
 
-def expected_rule_groups(values: dict[str, Any]) -> list[dict[str, Any]]:
+# The series a rule may read that a release's pods (or Prometheus, of their targets)
+# export: charge-worker's own (recorded ones too), the process and runtime collectors its
+# registry carries, and `up`. Scoping adds namespace="<release namespace>" to each.
+SCOPED_METRIC = r"(?:charge_worker|process|python)[_:][A-Za-z0-9_:]*|up"
+
+# PromQL as tokens, in the order tried: a comment, a string, a grouping's label list, a
+# name with its label matchers, matchers alone, a name alone, anything else (operators,
+# numbers, brackets). Label names sit inside a grouping or matchers token, so they are
+# never taken for series; a function is a name alone, and none is a SCOPED_METRIC.
+_STRING = "\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'|`[^`]*`"
+_GROUPING = r"(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"
+_MATCHERS = "\\{(?:[^}\"'`]|" + _STRING + ")*\\}"
+_NAME = r"[A-Za-z_:][A-Za-z0-9_:]*"
+EXPR_TOKEN = "|".join(
+    (
+        r"#[^\n]*",
+        _STRING,
+        _GROUPING,
+        _NAME + r"\s*" + _MATCHERS,
+        _MATCHERS,
+        _NAME,
+        "[^#\"'`{A-Za-z_:]+",
+    )
+)
+
+
+def scoped_expr(expr: str, namespace: str) -> str:
+    """`expr` reading only `namespace`: namespace="<namespace>" first in the matchers of
+    every selector of a SCOPED_METRIC name (`x` becomes `x{namespace="n"}`, `x{a="b"}`
+    becomes `x{namespace="n",a="b"}`), whatever it sits in (sum, absent(), a subquery).
+
+    The chart's `charge-worker.scopedExpr` does the same with the same expressions (Go's
+    RE2 and Python's `re` agree on them): `check_alert_rules` compares the two.
+    """
+    tokens = re.findall(EXPR_TOKEN, expr, flags=re.ASCII)
+    if "".join(tokens) != expr:
+        raise ValueError(
+            f"an expr the namespace scoping cannot read (an open quote or brace?): {expr}"
+        )
+    matcher = f'namespace="{namespace}"'
+    return "".join(_scoped_token(token, matcher) for token in tokens)
+
+
+def _scoped_token(token: str, matcher: str) -> str:
+    if re.fullmatch(SCOPED_METRIC, token, flags=re.ASCII):  # x
+        return f"{token}{{{matcher}}}"
+    if re.fullmatch(rf"(?:{SCOPED_METRIC})\s*\{{\s*\}}", token, flags=re.ASCII):  # x{}
+        return re.sub(r"\s*\{\s*\}$", "", token) + f"{{{matcher}}}"
+    if re.match(rf"(?:{SCOPED_METRIC})\s*\{{", token, flags=re.ASCII):  # x{a="b"}
+        return re.sub(r"^([A-Za-z0-9_:]+)\s*\{", rf"\1{{{matcher},", token, count=1)
+    return token
+
+
+def expected_rule_groups(values: dict[str, Any], namespace: str) -> list[dict[str, Any]]:
     """config/alerts.yml as the chart must render it: less the excluded groups (and
-    charge-worker.webhooks without the receiver), every runbook_url on runbookBaseUrl, and
-    additionalLabels under each alert's own labels."""
+    charge-worker.webhooks without the receiver), every runbook_url on runbookBaseUrl,
+    additionalLabels under each alert's own labels, and with scopeToNamespace every expr
+    scoped to the release's `namespace` and every rule labelled with it."""
     wanted = values["metrics"]["prometheusRule"]
     excluded = set(wanted["excludeGroups"])
     if not values["webhooks"]["enabled"]:
@@ -64,6 +120,9 @@ def expected_rule_groups(values: dict[str, Any]) -> list[dict[str, Any]]:
             annotations["runbook_url"] = f"{wanted['runbookBaseUrl']}#{anchor}"
         if "alert" in rule and wanted.get("additionalLabels"):
             rule["labels"] = {**wanted["additionalLabels"], **rule.get("labels", {})}
+        if wanted["scopeToNamespace"]:
+            rule["expr"] = scoped_expr(str(rule["expr"]), namespace)
+            rule["labels"] = {**rule.get("labels", {}), "namespace": namespace}
     return groups
 
 
@@ -76,7 +135,7 @@ def check_alert_rules(rendered: Rendered) -> list[str]:
         return ["a PrometheusRule is rendered while disabled"] if rules else []
     if len(rules) != 1:
         return [f"{len(rules)} PrometheusRules rendered, expected 1"]
-    expected = expected_rule_groups(rendered.values)
+    expected = expected_rule_groups(rendered.values, chart.NAMESPACE)
     got = rules[0].obj["spec"]["groups"]
     if got == expected:
         return []

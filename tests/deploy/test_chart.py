@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ pytest.importorskip("kubernetes_validate", reason=_WHY)
 pytest.importorskip("jsonschema", reason=_WHY)
 pytest.importorskip("yaml", reason=_WHY)
 
+import helm_python as helm  # noqa: E402
 import yaml  # noqa: E402
 from deploy.chart import Manifest, RenderError  # noqa: E402
 from deploy.rendered import COMPONENT, Rendered, secret_ref  # noqa: E402
@@ -49,6 +52,10 @@ VALUE_SETS = {
     "runbook-elsewhere": (
         chart.VALUE_SETS["defaults"],
         check.VARIANTS["the runbook elsewhere, extra alert labels"],
+    ),
+    "unscoped": (
+        chart.VALUE_SETS["defaults"],
+        check.VARIANTS["the alerts not scoped to the namespace"],
     ),
 }
 _CACHE: dict[str, Rendered] = {}
@@ -989,6 +996,193 @@ def test_runbook_links_and_extra_labels_follow_the_values() -> None:
         assert rule["annotations"]["runbook_url"] == base + rule["alert"].lower()
         assert rule["labels"]["team"] == "billing"
         assert rule["labels"]["severity"] in {"critical", "warning"}  # its own label wins
+
+
+# The alerts per release (issue 39, item 6): every selector scoped to the namespace.
+
+# What a PromQL expression reads, found independently of deploy/sources.py's tokens: the
+# label matchers are lifted out first (with their strings), then the remaining strings,
+# ranges and grouping label lists are dropped; every name left that is neither a keyword
+# nor called like a function is a series selector.
+_MATCHERS = re.compile(r'\{((?:[^}"\'`]|"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\')*)\}')
+_MATCHER = re.compile(r'([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+_KEYWORDS = {"and", "or", "unless", "offset", "bool", "by", "without", "on", "ignoring"}
+_KEYWORDS |= {"group_left", "group_right", "inf", "nan", "start", "end"}
+
+
+def _selectors(expr: str) -> list[tuple[str, dict[str, tuple[str, str]]]]:
+    """(metric name, {label: (operator, value)}) for every selector of `expr`; a selector
+    of matchers alone has the name ""."""
+    found: list[dict[str, tuple[str, str]]] = []
+
+    def lift(match: re.Match[str]) -> str:
+        found.append({m[0]: (m[1], m[2]) for m in _MATCHER.findall(match.group(1))})
+        return f" @M{len(found) - 1}@ "
+
+    text = re.sub(r"#[^\n]*", " ", expr)
+    text = _MATCHERS.sub(lift, text)
+    text = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', text)
+    text = re.sub(r"\[[^\]]*\]", "[]", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    selectors = []
+    named = set()
+    name = r"(?<![\w:.@])([A-Za-z_:][\w:]*)(?![\w:])(\s*\()?(?:\s*@M(\d+)@)?"
+    for found_name in re.finditer(name, text):
+        if found_name.group(2) or found_name.group(1) in _KEYWORDS:
+            continue  # a function, an aggregation, a keyword
+        matchers = found_name.group(3)
+        named |= {int(matchers)} if matchers else set()
+        selectors.append((found_name.group(1), found[int(matchers)] if matchers else {}))
+    selectors += [("", found[n]) for n in range(len(found)) if n not in named]
+    return selectors
+
+
+def _unscoped(expr: str, namespace: str) -> list[str]:
+    return [
+        name or "{...}"
+        for name, matchers in _selectors(expr)
+        if matchers.get("namespace") != ("=", namespace)
+    ]
+
+
+def _render_rules(namespace: str, overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The PrometheusRule's groups of another release, installed into `namespace`."""
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    chart.merge(values, copy.deepcopy(overrides or {}))
+    with chart.native_stderr([]), helm.Chart.load(chart.CHART) as loaded:
+        rendered = loaded.render(
+            values, name="charge-worker-2", namespace=namespace, is_install=True
+        )
+    rule = yaml.safe_load(rendered["charge-worker/templates/prometheusrule.yaml"])
+    groups: list[dict[str, Any]] = rule["spec"]["groups"]
+    return groups
+
+
+def test_the_selector_reader_sees_what_an_expression_reads() -> None:
+    """The test's own PromQL reader: names, matchers, and what it must not take for a series."""
+    expr = (
+        'sum by (up) (increase(charge_worker_a_total{namespace="n",x=~"a|}"}[5m] offset 15m))\n'
+        "  / on(job, instance) group_left() max(process_start_time_seconds)\n"
+        '  and absent(charge_worker_b) unless label_replace(up, "d", "charge_worker_c", "s", "")'
+        ' or {__name__="u", namespace="n"} # charge_worker_d\n'
+    )
+    assert _selectors(expr) == [
+        ("charge_worker_a_total", {"namespace": ("=", "n"), "x": ("=~", "a|}")}),
+        ("process_start_time_seconds", {}),
+        ("charge_worker_b", {}),
+        ("up", {}),
+        ("", {"__name__": ("=", "u"), "namespace": ("=", "n")}),
+    ]
+    assert _unscoped(expr, "n") == ["process_start_time_seconds", "charge_worker_b", "up"]
+
+
+@pytest.mark.parametrize(
+    ("expr", "scoped"),
+    [
+        ("charge_worker_x", 'charge_worker_x{namespace="n"}'),
+        ('charge_worker_x{a="b"}', 'charge_worker_x{namespace="n",a="b"}'),
+        ("charge_worker_x { }", 'charge_worker_x{namespace="n"}'),
+        ('charge_worker_x {a="}"}', 'charge_worker_x{namespace="n",a="}"}'),
+        ("absent(charge_worker_x)", 'absent(charge_worker_x{namespace="n"})'),
+        (
+            "absent_over_time(up[5m])",
+            'absent_over_time(up{namespace="n"}[5m])',
+        ),
+        (
+            "sum by (process_x, up) (rate(charge_worker_y_total[5m] offset 1h))",
+            'sum by (process_x, up) (rate(charge_worker_y_total{namespace="n"}[5m] offset 1h))',
+        ),
+        (
+            "(process_start_time_seconds and on(up) group_left(python_v) python_info)[2h:10m]",
+            '(process_start_time_seconds{namespace="n"} and on(up) group_left(python_v)'
+            ' python_info{namespace="n"})[2h:10m]',
+        ),
+        (
+            'label_replace(node_load1, "up", "charge_worker_$1", "s", "(.*)") # charge_worker_x',
+            'label_replace(node_load1, "up", "charge_worker_$1", "s", "(.*)") # charge_worker_x',
+        ),
+        ("kube_pod_info{up='x'} + uptime_seconds", "kube_pod_info{up='x'} + uptime_seconds"),
+        ("charge_worker:recorded:rate5m", 'charge_worker:recorded:rate5m{namespace="n"}'),
+    ],
+)
+def test_scoping_adds_the_namespace_to_every_selector_of_ours(expr: str, scoped: str) -> None:
+    assert sources.scoped_expr(expr, "n") == scoped
+
+
+@pytest.mark.parametrize("broken", ['charge_worker_x{a="b}', "charge_worker_x{a='b'", "up{"])
+def test_scoping_refuses_what_it_cannot_read(broken: str) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        sources.scoped_expr(broken, "n")
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "all-on", "runbook-elsewhere"])
+def test_every_rendered_selector_reads_only_the_release_namespace(value_set: str) -> None:
+    _, rules = _rendered_alerts(value_set)
+    assert rules
+    for rule in rules:
+        assert _selectors(rule["expr"]), rule["expr"]
+        assert _unscoped(rule["expr"], chart.NAMESPACE) == [], rule["expr"]
+        assert rule["labels"]["namespace"] == chart.NAMESPACE
+
+
+def test_absent_sees_only_the_release_namespace() -> None:
+    """A staging release's workers must not keep production's ChargeWorkerAbsent quiet."""
+    _, rules = _rendered_alerts("defaults")
+    calls = [
+        call
+        for rule in rules
+        for call in re.findall(
+            r"absent(?:_over_time)?\(([^()]*(?:\([^()]*\))?[^()]*)\)", rule["expr"]
+        )
+    ]
+    assert len(calls) >= 2  # the workers' and the receiver's
+    for argument in calls:
+        assert f'{{namespace="{chart.NAMESPACE}"' in argument, argument
+
+
+def test_the_chart_refuses_an_expr_its_scoping_cannot_read(tmp_path: Path) -> None:
+    copied = tmp_path / "charge-worker"
+    shutil.copytree(chart.CHART, copied, symlinks=False)
+    (copied / "files" / "alerts.yml").unlink()
+    (copied / "files" / "alerts.yml").write_text(
+        'groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up{job="x} == 0\n'
+    )
+    values = chart.load_values(chart.VALUE_SETS["defaults"])
+    with pytest.raises(RenderError, match="namespace scoping cannot read"):
+        chart.render(values, source=copied)
+
+
+def test_a_release_in_another_namespace_reads_its_own() -> None:
+    groups = _render_rules("billing-staging")
+    values = chart.coalesced(chart.load_values(chart.VALUE_SETS["defaults"]))
+    assert groups == sources.expected_rule_groups(values, "billing-staging")
+    for rule in (rule for group in groups for rule in group["rules"]):
+        assert _unscoped(rule["expr"], "billing-staging") == [], rule["expr"]
+        assert f'namespace="{chart.NAMESPACE}"' not in rule["expr"]
+        assert rule["labels"]["namespace"] == "billing-staging"
+
+
+def test_unscoped_rules_are_config_alerts_as_they_are() -> None:
+    _, rules = _rendered_alerts("unscoped")
+    source = yaml.safe_load((chart.ROOT / "config" / "alerts.yml").read_text())
+    assert [r["expr"] for r in rules] == [r["expr"] for g in source["groups"] for r in g["rules"]]
+    assert all("namespace" not in r.get("labels", {}) for r in rules)
+    assert any(_unscoped(r["expr"], chart.NAMESPACE) for r in rules)  # the reader can tell
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_the_scoped_rules(tmp_path: Path) -> None:
+    groups = _find(rendered_for("all-on"), "PrometheusRule", "monitoring")["spec"]["groups"]
+    rules = tmp_path / "rendered-rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": groups}))
+    done = subprocess.run(
+        ["promtool", "check", "rules", str(rules)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # The daily full sweep.

@@ -476,3 +476,36 @@ spec:
 {{- printf "%s:%s" .repository .tag }}
 {{- end }}
 {{- end }}
+
+{{/* A rule's expr reading only one namespace: namespace="<namespace>" first in the label
+     matchers of every selector of our series (charge_worker_*, process_*, python_*, up),
+     wherever it sits (sum, absent(), a subquery); comments, strings and label names are
+     left alone. deploy/sources.py `scoped_expr` does the same with the same expressions,
+     and make check-deploy compares the rendered rules with it. */}}
+{{- define "charge-worker.scopedExpr" -}}
+{{- $metric := "(?:charge_worker|process|python)[_:][A-Za-z0-9_:]*|up" }}
+{{- /* PromQL as tokens, tried in order: a comment, a string, a grouping's label list, a
+       name with its label matchers, matchers alone, a name alone, anything else. */}}
+{{- $string := "\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'|`[^`]*`" }}
+{{- $matchers := printf "\\{(?:[^}\"'`]|%s)*\\}" $string }}
+{{- $name := "[A-Za-z_:][A-Za-z0-9_:]*" }}
+{{- $token := list "#[^\n]*" $string "(?:by|without|on|ignoring|group_left|group_right)\\s*\\([^)]*\\)" (printf "%s\\s*%s" $name $matchers) $matchers $name "[^#\"'`{A-Za-z_:]+" | join "|" }}
+{{- $tokens := regexFindAll $token .expr -1 }}
+{{- if ne (join "" $tokens) .expr }}
+{{- fail (printf "config/alerts.yml: an expr the namespace scoping cannot read (an open quote or brace?): %s" .expr) }}
+{{- end }}
+{{- $matcher := printf "namespace=\"%s\"" .namespace }}
+{{- $out := "" }}
+{{- range $tokens }}
+{{- if regexMatch (printf "^(?:%s)$" $metric) . }}
+{{- $out = printf "%s%s{%s}" $out . $matcher }}
+{{- else if regexMatch (printf "^(?:%s)\\s*\\{\\s*\\}$" $metric) . }}
+{{- $out = printf "%s%s{%s}" $out (regexReplaceAll "\\s*\\{\\s*\\}$" . "") $matcher }}
+{{- else if regexMatch (printf "^(?:%s)\\s*\\{" $metric) . }}
+{{- $out = printf "%s%s" $out (regexReplaceAll "^([A-Za-z0-9_:]+)\\s*\\{" . (printf "${1}{%s," $matcher)) }}
+{{- else }}
+{{- $out = printf "%s%s" $out . }}
+{{- end }}
+{{- end }}
+{{- $out }}
+{{- end }}
