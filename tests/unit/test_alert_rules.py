@@ -45,7 +45,12 @@ SEVERITIES = {"critical", "warning"}
 ANNOTATIONS = ("summary", "description", "runbook_url")
 RUNBOOK_PARTS = ("**What it means.**", "**First three commands**", "**Do not**")
 # Grafana fills these in before the query reaches Prometheus; any other `$` is a mistake.
-GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "5m",
+    "$__interval": "1m",
+    "$__range": "1h",
+    "$namespace": "billing",  # the dashboard's own: the release's namespace, chosen at the top
+}
 # What the dashboard must show: a metric each panel family is built on.
 DASHBOARD_METRICS = (
     "charge_worker_messages_total",
@@ -61,6 +66,9 @@ DASHBOARD_METRICS = (
     "charge_worker_deferred_checks_pending",
     "charge_worker_outbox_oldest_unsent_seconds",
     "charge_worker_outbox_publishes_total",
+    "charge_worker_declines_total",
+    "charge_worker_job_last_success_timestamp_seconds",
+    "charge_worker_webhook_deliveries_total",
 )
 
 
@@ -223,6 +231,21 @@ def test_dashboard_shows_what_on_call_needs() -> None:
     for panel in _panels(dashboard["panels"]):
         if panel["type"] != "row":
             assert panel.get("targets"), f"panel {panel['title']!r} has no query"
+
+
+def test_every_dashboard_query_reads_only_the_chosen_namespace() -> None:
+    """One Grafana, many releases: a panel shows the namespace picked at the top, never a
+    sum over all of them (issue 39, item 8)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["namespace"]["type"] == "query"
+    assert variables["namespace"]["query"]["query"].startswith("label_values(charge_worker_")
+    assert variables["namespace"]["datasource"]["uid"] == "${datasource}"
+    for name, expr in _dashboard_exprs():
+        series = re.findall(r"\b(charge_worker_\w+)(\{[^}]*\})?", expr)
+        assert series, f"{name}: reads no charge_worker_ series: {expr}"
+        for metric, matchers in series:
+            assert matchers.startswith('{namespace="$namespace"'), f"{name}: {metric} in {expr}"
 
 
 def test_dashboard_runbook_links_point_at_runbook_sections() -> None:
