@@ -39,3 +39,10 @@ CLASSES: dict[str, DeclineClass] = {
 def decline_class(code: str | None) -> DeclineClass:
     """The class of a gateway's decline code (None: a `generic_decline`)."""
     return CLASSES.get(code or GENERIC_DECLINE, "soft")
+
+
+def label(code: str | None) -> str:
+    """A decline code as a metric's label: a code of the table, or `other` (a label per code
+    a gateway may invent would be unbounded)."""
+    code = code or GENERIC_DECLINE
+    return code if code in CLASSES else "other"

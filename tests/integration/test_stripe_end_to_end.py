@@ -88,8 +88,21 @@ async def test_worker_explain_and_reconcile_on_stripe(
 
         await eventually(all_settled, "every delivery acked")
         declines = "charge_worker_declines_total"
-        assert worker.metric(declines, kind="authentication_required") == 1
-        assert worker.metric(declines, kind="card_declined") == 1
+        assert (
+            worker.metric(
+                declines,
+                kind="authentication_required",
+                code="authentication_required",
+                decline_class="customer_action",
+            )
+            == 1
+        )
+        assert (
+            worker.metric(
+                declines, kind="card_declined", code="generic_decline", decline_class="soft"
+            )
+            == 1
+        )
 
     found = await statuses(conn)
     assert found[1][0] == "succeeded"

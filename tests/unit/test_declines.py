@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from charge_worker.declines import CLASSES, GENERIC_DECLINE, decline_class
+from charge_worker.declines import CLASSES, GENERIC_DECLINE, decline_class, label
 
 CONTRACT = Path(__file__).parents[2] / "docs" / "contracts" / "gateway.md"
 
@@ -28,3 +28,10 @@ def test_the_code_holds_the_contracts_table() -> None:
 def test_a_code_nobody_listed_is_soft_and_no_code_is_a_generic_decline() -> None:
     assert decline_class("card_velocity_exceeded") == "soft"
     assert decline_class(None) == decline_class(GENERIC_DECLINE) == "soft"
+
+
+def test_a_code_is_its_own_label_when_the_table_lists_it_and_other_when_not() -> None:
+    """The declines metric's `code` label stays bounded whatever a gateway sends."""
+    assert label("stolen_card") == "stolen_card"
+    assert label(None) == GENERIC_DECLINE
+    assert label("card_velocity_exceeded") == label("x" * 200) == "other"

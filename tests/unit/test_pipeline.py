@@ -87,6 +87,7 @@ async def test_a_charge_is_claimed_scored_charged_and_recorded_with_its_story(
     assert story | {"charge_id": made["id"]} == story
     assert (story["outcome"], story["action"], story["gateway"]) == ("charged", "ack", "succeeded")
     assert world.metric("charge_worker_gateway_calls_total", result="succeeded") == 1
+    assert world.metric("charge_worker_gateway_seconds_count") == 1  # the one request's wait
 
 
 async def test_a_decline_without_retries_is_final_and_keeps_its_code(world: World) -> None:
@@ -100,7 +101,8 @@ async def test_a_decline_without_retries_is_final_and_keeps_its_code(world: Worl
         "insufficient_funds",
         1,
     )
-    assert world.metric("charge_worker_declines_total", kind="card_declined") == 1
+    declines = {"kind": "card_declined", "code": "insufficient_funds", "decline_class": "soft"}
+    assert world.metric("charge_worker_declines_total", **declines) == 1
 
 
 async def test_a_block_is_final_and_nothing_is_sent(world: World) -> None:

@@ -15,7 +15,7 @@ COUNTERS = {
     "charge_worker_messages": ("outcome", "action"),
     "charge_worker_charges": ("result",),
     "charge_worker_gateway_calls": ("result",),
-    "charge_worker_declines": ("kind",),
+    "charge_worker_declines": ("kind", "code", "decline_class"),
     "charge_worker_scoring": ("result",),
     "charge_worker_deferred_checks_resolved": ("verdict",),
     "charge_worker_dead_letters": ("reason",),
@@ -35,7 +35,7 @@ def _counted(metrics: Metrics) -> None:
     metrics.messages.labels("charged", "ack").inc()
     metrics.charges.labels("charged").inc()
     metrics.gateway_calls.labels("succeeded").inc()
-    metrics.declines.labels("card_declined").inc()
+    metrics.declines.labels("card_declined", "insufficient_funds", "soft").inc()
     metrics.scoring.labels("failed_defer").inc()
     metrics.deferred_checks.labels("approved").inc()
     metrics.dead_letters.labels("poison").inc()

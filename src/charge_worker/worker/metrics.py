@@ -84,10 +84,20 @@ class Metrics:
             Counter(
                 f"{PREFIX}_declines",
                 "Charges the provider declined, by kind: authentication_required (the bank wants "
-                "the customer present: billing asks them to) or card_declined (any other reason).",
-                ["kind"],
+                "the customer present: billing asks them to) or card_declined (any other reason);"
+                " by the decline code (a code of docs/contracts/gateway.md's table, `other` for"
+                " any other) and its class (soft, customer_action, hard).",
+                ["kind", "code", "decline_class"],
                 registry=registry,
             )
+        )
+        self.gateway_seconds = Histogram(
+            f"{PREFIX}_gateway_seconds",
+            "Time from a charge request's send to the gateway's answer (or its error), as the"
+            " worker waited for it: the adapter's own reads and rate-limit waits before the"
+            " send are not in it.",
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0),
         )
         self.tries = Labelled(
             Counter(

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
-from charge_worker import tracing
+from charge_worker import declines, tracing
 from charge_worker.errors import (
     AlreadySettled,
     ChargeWorkerError,
@@ -386,14 +387,16 @@ class Pipeline:
 
     async def _call_gateway(self, done: _Draft, charge: ChargeDue) -> Result:
         renewing = False
+        sent: float | None = None  # the monotonic time of the (last) charge request's send
 
         async def before_send() -> None:
-            nonlocal renewing
+            nonlocal renewing, sent
             renewing = True
             await self._keep_lease(done, self.gateway.charge_deadline_s)
             renewing = False
             self.failpoints.hit("before_gateway_call")
             done.called = True
+            sent = time.monotonic()
 
         try:
             with tracing.span("charge.gateway"):
@@ -401,12 +404,16 @@ class Pipeline:
                     charge, traceparent=done.delivery.traceparent, before_send=before_send
                 )
         except ChargeWorkerError as error:
+            if sent is not None:
+                self.metrics.gateway_seconds.observe(time.monotonic() - sent)
             if renewing:  # the lease could not be kept (or the ledger answer): nothing sent
                 raise
             self._gateway_answered(done, result_of(error).outcome.value)
             if error.outcome == Outcome.REJECTED:
                 done.settlement = Settlement("failed", error=str(error))
             raise
+        if sent is not None:
+            self.metrics.gateway_seconds.observe(time.monotonic() - sent)
         done.answer = answer
         self._gateway_answered(done, answer.status)
         done.notes.update(charge_id=answer.charge_id, replayed=answer.replayed or None)
@@ -425,7 +432,9 @@ class Pipeline:
     ) -> Result:
         """The try was declined with `code`: the period's state follows its class and the
         try's number (retries/schedule.py)."""
-        self.metrics.declines.labels(decline_kind(code)).inc()
+        self.metrics.declines.labels(
+            decline_kind(code), declines.label(code), declines.decline_class(code)
+        ).inc()
         after = after_decline(code, charge.attempt, self.retry_schedule)
         done.notes["after_decline"] = after.status
         done.settlement = Settlement(
