@@ -25,9 +25,8 @@ import click
 from charge_worker import database
 from charge_worker.database import translated
 from charge_worker.errors import ChargeWorkerError
-from charge_worker.jobs import note_run
 from charge_worker.producer.publish import WHOLE, Share
-from charge_worker.producer.schedule import failed, produce_command
+from charge_worker.producer.schedule import note_produced, produce_command
 from charge_worker.producer.summary import Problem, Summary
 from charge_worker.settings import Settings
 
@@ -69,14 +68,7 @@ async def produce_in_processes(
     try:
         shares = await _shares(settings, day, processes)
     except ChargeWorkerError as error:
-        await note_run(
-            settings.db,
-            "produce",
-            started_at=started,
-            ok=False,
-            summary=failed(day, error),
-            quiet=True,
-        )
+        await note_produced(settings, day, started, error)
         raise
     if shares == [WHOLE]:  # one share, the whole run: a run of one process, recorded as one
         return await produce_command(settings, day, as_json=as_json)
@@ -112,13 +104,7 @@ async def produce_in_processes(
                     child.kill()
                 await child.wait()
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
-    await note_run(
-        settings.db,
-        "produce",
-        started_at=started,
-        ok=summary.exit_code == 0,
-        summary=summary.figures(),
-    )
+    await note_produced(settings, day, started, summary)
     return summary.exit_code
 
 

@@ -187,31 +187,27 @@ async def produce_command(
         )
     except ChargeWorkerError as error:
         if whole:
-            await note_run(
-                settings.db,
-                "produce",
-                started_at=started,
-                ok=False,
-                summary=failed(day, error),
-                quiet=True,
-            )
+            await note_produced(settings, day, started, error)
         raise
     click.echo(summary.as_json() if as_json else "\n".join(summary.lines()))
     if whole:
-        await note_run(
-            settings.db,
-            "produce",
-            started_at=started,
-            ok=summary.exit_code == 0,
-            summary=summary.figures(),
-        )
+        await note_produced(settings, day, started, summary)
     return summary.exit_code
 
 
-def failed(day: dt.date, error: ChargeWorkerError) -> dict[str, object]:
-    """What `job_runs` keeps of a run that ended early on an error (its one line is printed
-    as the command ends)."""
-    return {"day": day.isoformat(), "error": type(error).__name__}
+async def note_produced(
+    settings: Settings, day: dt.date, started: dt.datetime, ended: Summary | ChargeWorkerError
+) -> None:
+    """Record a whole run in `job_runs`: ok when it exits 0, with its figures; or the error
+    that ended it early, quietly (its one line is printed as the command ends)."""
+    if isinstance(ended, ChargeWorkerError):
+        failed = {"day": day.isoformat(), "error": type(ended).__name__}
+        await note_run(
+            settings.db, "produce", started_at=started, ok=False, summary=failed, quiet=True
+        )
+    else:
+        ok, figures = ended.exit_code == 0, ended.figures()
+        await note_run(settings.db, "produce", started_at=started, ok=ok, summary=figures)
 
 
 async def produce(
