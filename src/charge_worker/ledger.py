@@ -79,7 +79,8 @@ _NEW_ROW = """$1::bigint, $2::date, $3::text, $4::text, $5::text, $6::bigint, $7
 def _claim(new_row: str) -> str:
     """The claim: insert the row (`new_row` is the INSERT's source; try 1 only), or take over
     a `scheduled` row, an expired lease, or (`$12`, a replay) a `failed` row, of the try the
-    message asks for (`$13`)."""
+    message asks for (`$13`). A takeover also returns the delivery of this message (`$11`,
+    its stream sequence) that nak'd the charge last, if one did (`nak_delivery`, 0016)."""
     return f"""
 WITH inserted AS (
     INSERT INTO charge_attempts (
@@ -89,8 +90,8 @@ WITH inserted AS (
     {new_row}
     ON CONFLICT DO NOTHING
     RETURNING attempt, gateway_calls, scoring
-), previous AS (  -- the row as it was, to tell a takeover of an expired lease
-    SELECT lease_owner FROM charge_attempts
+), previous AS (  -- the row as it was: a takeover of an expired lease, this message's nak
+    SELECT lease_owner, last_stream_seq, nak_delivery FROM charge_attempts
      WHERE order_id = $1 AND billing_period = $2 AND NOT EXISTS (SELECT 1 FROM inserted)
        FOR UPDATE
 ), taken AS (
@@ -105,9 +106,11 @@ WITH inserted AS (
        AND (c.status = 'scheduled'
             OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now()))
             OR ($12 AND c.status = 'failed'))
-    RETURNING c.attempt, c.gateway_calls, c.scoring, p.lease_owner AS taken_from
+    RETURNING c.attempt, c.gateway_calls, c.scoring, p.lease_owner AS taken_from,
+              CASE WHEN p.last_stream_seq = $11 THEN p.nak_delivery END AS nak_delivery
 )
-SELECT attempt, gateway_calls, scoring, NULL::text AS taken_from FROM inserted
+SELECT attempt, gateway_calls, scoring, NULL::text AS taken_from, NULL::bigint AS nak_delivery
+  FROM inserted
 UNION ALL SELECT * FROM taken
 """
 
@@ -177,10 +180,12 @@ _SETTLE = _fenced_write(
      WHERE {_FENCE}"""
 )
 
+# `$11`: the delivery that naks (NULL when it does not: a requeue acks), read back by the
+# next claim of the same message (`last_stream_seq` is this delivery's: it claimed)
 _RETRY_LATER = _fenced_write(
     f"""UPDATE charge_attempts
        SET last_error = $9, lease_owner = CASE WHEN $10 THEN lease_owner END,
-           lease_until = CASE WHEN $10 THEN lease_until END, {_KEPT}
+           lease_until = CASE WHEN $10 THEN lease_until END, nak_delivery = $11, {_KEPT}
      WHERE {_FENCE}"""
 )
 
@@ -248,6 +253,9 @@ class Claim:
     scoring: Scoring | None
     taken_from: str | None = None  # the owner of the expired lease this claim took over
     lease_deadline: float = math.inf  # `Ledger.clock` time by which the lease has expired
+    # the delivery of this claim's message that nak'd the charge last (`retry_later`), if
+    # any: a redelivery it asked for (`decisions.redelivery_cause`)
+    nak_delivery: int | None = None
 
     @property
     def outcome_unknown(self) -> bool:
@@ -327,6 +335,7 @@ class Ledger:
                     row["scoring"],
                     row["taken_from"],
                     deadline,
+                    row["nak_delivery"],
                 )
             why = await conn.fetchrow(_WHY_NOT, *key)
         if why is None:
@@ -402,11 +411,15 @@ class Ledger:
         error: str,
         *,
         keep_lease: bool,
+        nak_delivery: int | None = None,
         story: Mapping[str, object] | None = None,
         attempted: Attempted = NOTHING_ATTEMPTED,
     ) -> None:
-        """Stay pending; keep the lease while an earlier call may still be in flight."""
-        await self._fenced(_RETRY_LATER, claim, story, attempted, error, keep_lease)
+        """Stay pending; keep the lease while an earlier call may still be in flight.
+
+        `nak_delivery`: the delivery (`num_delivered`) that naks the message now, so that its
+        redelivery is known as asked for; None when the message is not nak'd (a requeue)."""
+        await self._fenced(_RETRY_LATER, claim, story, attempted, error, keep_lease, nak_delivery)
 
     async def give_up(
         self,

@@ -24,6 +24,7 @@ own semantics honest: SQL, JetStream, sockets.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import itertools
 import json
@@ -103,6 +104,7 @@ class Row:
     decline_code: str | None = None
     settled: bool = False
     last_stream_seq: int | None = None
+    nak_delivery: int | None = None  # the delivery that nak'd last (`retry_later`)
     published_seq: int = 0
     current_try: int = 1
     retry_in_s: float | None = None  # `retry_scheduled`: the wait the settle set
@@ -183,11 +185,15 @@ class InMemoryLedger:
             or (revive_failed and row.status == "failed")
         ):
             taken_from = row.lease_owner
+            # a nak counts for this delivery only if it was this message's
+            nak = row.nak_delivery if row.last_stream_seq == stream_seq else None
             row.status, row.lease_owner, row.lease_until = "pending", owner, deadline
             row.attempt += 1
             row.last_stream_seq = stream_seq
             scoring: Any = row.scoring
-            return Claim(*key, owner, row.attempt, row.gateway_calls, scoring, taken_from, deadline)
+            return Claim(
+                *key, owner, row.attempt, row.gateway_calls, scoring, taken_from, deadline, nak
+            )
         if row.fingerprint != charge.fingerprint:
             raise PayloadConflict(
                 f"{charge.key} is recorded as '{row.fingerprint}', "
@@ -209,16 +215,7 @@ class InMemoryLedger:
         if row is None:
             raise LeaseHeld("the lease was taken over; this worker may not call")
         row.lease_until = deadline
-        return Claim(
-            claim.order_id,
-            claim.billing_period,
-            claim.owner,
-            claim.attempt,
-            claim.gateway_calls,
-            claim.scoring,
-            claim.taken_from,
-            deadline,
-        )
+        return dataclasses.replace(claim, lease_deadline=deadline)
 
     async def settle(
         self,
@@ -243,12 +240,13 @@ class InMemoryLedger:
         error: str,
         *,
         keep_lease: bool,
+        nak_delivery: int | None = None,
         story: Mapping[str, object] | None = None,
         attempted: Attempted = NOTHING_ATTEMPTED,
     ) -> None:
         self._unless_down("retry_later")
         row = self._write(self._fenced(claim), claim, story, attempted)
-        row.last_error = error
+        row.last_error, row.nak_delivery = error, nak_delivery
         if not keep_lease:
             row.lease_owner = row.lease_until = None
 

@@ -77,6 +77,12 @@ async def handle(
     return lines
 
 
+def redeliveries(world: World) -> dict[str, float]:
+    """`charge_worker_redeliveries_total` by cause."""
+    causes = ("nak", "unacked")
+    return {c: world.metric("charge_worker_redeliveries_total", cause=c) for c in causes}
+
+
 def settled_line(lines: list[MutableMapping[str, Any]]) -> MutableMapping[str, Any]:
     [line] = [line for line in lines if line["event"] == "charge.settled"]
     return line
@@ -96,7 +102,8 @@ async def test_a_charge_is_acked_counted_and_told_in_one_canonical_line(world: W
     assert (line["stream_seq"], line["delivery"]) == (42, 1)
     assert world.metric("charge_worker_messages_total", outcome="charged", action="ack") == 1
     assert world.metric("charge_worker_charges_total", result="charged") == 1
-    assert world.metric("charge_worker_redeliveries_total") == 0
+    assert redeliveries(world) == {"nak": 0, "unacked": 0}
+    assert line["redelivery"] is None
 
 
 async def test_a_retry_is_a_nak_with_its_delay_and_a_redelivery_is_counted(
@@ -106,7 +113,7 @@ async def test_a_retry_is_a_nak_with_its_delay_and_a_redelivery_is_counted(
     msg = FakeMessage(due().to_json(), delivered=2)
     await handle(world, msg)
     assert msg.told == [("nak", 7.0)]
-    assert world.metric("charge_worker_redeliveries_total") == 1
+    assert redeliveries(world) == {"nak": 0, "unacked": 1}  # no row said its first nak'd
     assert world.metric("charge_worker_messages_total", outcome="rate_limited", action="nak") == 1
 
 
@@ -183,3 +190,86 @@ async def test_a_connection_lost_before_the_ack_is_logged_and_left_to_the_ledger
     assert any(line["event"] == "consumer.settle_failed" for line in lines)
     assert world.ledger.row(charge).status == "succeeded"  # a redelivery is a duplicate
     assert settled_line(lines)["outcome"] == "charged"
+
+
+# ---- redeliveries by cause: asked for by a nak (the ledger row says so), or not --------------
+
+
+async def test_a_redelivery_after_a_nak_is_counted_as_asked_for_whichever_pod_nakd(
+    world: World,
+) -> None:
+    charge = due()
+    world.gateway.script(CHARGE, Refuse(429, "rate_limit_error", "rate_limit", "7"))
+    first = FakeMessage(charge.to_json(), stream_seq=3)
+    await handle(world, first, owner="w1")
+    assert first.told == [("nak", 7.0)]
+    again = FakeMessage(charge.to_json(), stream_seq=3, delivered=2)
+    lines = await handle(world, again, owner="w2")  # another pod: only the row knows
+    assert again.told == [("ack", None)]
+    assert redeliveries(world) == {"nak": 1, "unacked": 0}
+    assert settled_line(lines)["redelivery"] == "nak"
+
+
+async def test_a_redelivery_nobody_nakd_is_unacked(world: World) -> None:
+    charge = due()
+    # delivery 1 claimed and its worker died: no nak, the lease runs out
+    await world.ledger.claim(charge, "w1", 3)
+    world.clock.advance(LEASE_S + 1)
+    msg = FakeMessage(charge.to_json(), stream_seq=3, delivered=2)
+    lines = await handle(world, msg, owner="w2")
+    assert msg.told == [("ack", None)]
+    assert redeliveries(world) == {"nak": 0, "unacked": 1}
+    assert settled_line(lines)["redelivery"] == "unacked"
+
+
+async def test_a_nak_earlier_than_the_previous_delivery_is_not_this_ones_cause(
+    world: World,
+) -> None:
+    charge = due()
+    world.gateway.script(CHARGE, Refuse(429, "rate_limit_error", "rate_limit", "7"))
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=3))  # delivery 1 naks
+    await world.ledger.claim(charge, "w1", 3)  # delivery 2 claims, and its worker dies
+    world.clock.advance(LEASE_S + 1)
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=3, delivered=3))
+    assert redeliveries(world) == {"nak": 0, "unacked": 1}
+
+
+async def test_a_nak_of_another_copy_of_the_charge_is_not_this_messages_cause(
+    world: World,
+) -> None:
+    charge = due()
+    world.gateway.script(CHARGE, Refuse(429, "rate_limit_error", "rate_limit", "7"))
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=3))  # naks as delivery 1
+    # a copy of the charge at another stream sequence (a requeue, a re-publish), redelivered
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=8, delivered=2))
+    assert redeliveries(world) == {"nak": 0, "unacked": 1}
+
+
+async def test_a_requeue_records_no_nak(world: World) -> None:
+    charge = due()
+    world.gateway.script(CHARGE, Refuse(404), Refuse(404))
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=5, delivered=MAX_DELIVER - 1))
+    assert world.ledger.row(charge).nak_delivery == MAX_DELIVER - 1
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=5, delivered=MAX_DELIVER))
+    assert world.dead_letters.copies == [(charge.to_json(), 5)]  # acked: no redelivery asked
+    assert world.ledger.row(charge).nak_delivery is None
+    # the first of the two came with no nak before it; the second was asked for
+    assert redeliveries(world) == {"nak": 1, "unacked": 1}
+
+
+async def test_a_poison_redelivery_is_unacked(world: World) -> None:
+    msg = FakeMessage(b'{"schema": "charge.due/v9"}', stream_seq=9, delivered=2)
+    await handle(world, msg)
+    assert msg.told == [("term", None)]
+    assert redeliveries(world) == {"nak": 0, "unacked": 1}
+
+
+async def test_a_redelivery_the_ledger_cannot_explain_is_unacked(world: World) -> None:
+    charge = due()
+    world.gateway.script(CHARGE, Refuse(429, "rate_limit_error", "rate_limit", "7"))
+    await handle(world, FakeMessage(charge.to_json(), stream_seq=3))  # naks, recorded
+    world.ledger.down.add("claim")  # PostgreSQL away: nothing shows the nak was asked for
+    msg = FakeMessage(charge.to_json(), stream_seq=3, delivered=2)
+    await handle(world, msg)
+    assert msg.told[0][0] == "nak"
+    assert redeliveries(world) == {"nak": 0, "unacked": 1}

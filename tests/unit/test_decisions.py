@@ -15,10 +15,12 @@ from charge_worker.worker.decisions import (
     Nak,
     Outcome,
     Policy,
+    RedeliveryCause,
     Requeue,
     Result,
     after_deliveries_ran_out,
     decide,
+    redelivery_cause,
     result_of,
 )
 
@@ -207,3 +209,25 @@ def test_a_death_on_the_last_delivery_requeues_an_open_charge_a_bounded_number_o
     status: str | None, valid: bool, exhausted: int, verdict: str
 ) -> None:
     assert after_deliveries_ran_out(status, valid=valid, exhausted=exhausted) == verdict
+
+
+NAK, UNACKED = RedeliveryCause.NAK, RedeliveryCause.UNACKED
+
+
+@pytest.mark.parametrize(
+    ("delivery", "nak_delivery", "cause"),
+    [
+        (1, None, None),  # a first delivery is no redelivery, whatever the row says
+        (1, 1, None),
+        (2, 1, NAK),  # the previous delivery nak'd: asked for
+        (5, 4, NAK),
+        (2, None, UNACKED),  # no nak recorded: AckWait ran out, a worker died, no row
+        (3, 1, UNACKED),  # delivery 1 nak'd, delivery 2 ended without a word
+        (2, 2, UNACKED),  # a nak of a later delivery is not this one's cause
+        (3, 3, UNACKED),
+    ],
+)
+def test_a_redelivery_is_asked_for_only_when_its_previous_delivery_nakd(
+    delivery: int, nak_delivery: int | None, cause: RedeliveryCause | None
+) -> None:
+    assert redelivery_cause(delivery, nak_delivery) == cause

@@ -20,7 +20,7 @@ COUNTERS = {
     "charge_worker_deferred_checks_resolved": ("verdict",),
     "charge_worker_dead_letters": ("reason",),
     "charge_worker_deliveries_exhausted": ("verdict",),
-    "charge_worker_redeliveries": (),
+    "charge_worker_redeliveries": ("cause",),
     "charge_worker_duplicates_absorbed": (),
     "charge_worker_requeues": (),
     "charge_worker_heartbeats": (),
@@ -65,6 +65,18 @@ def test_a_labelled_series_appears_at_its_first_increment_with_its_created_time(
     labels = {"result": "declined"}
     assert registry.get_sample_value("charge_worker_charges_total", labels) == 2
     assert registry.get_sample_value("charge_worker_charges_created", labels) is not None
+
+
+def test_redeliveries_of_every_cause_are_exported_from_the_start() -> None:
+    """At 0 before the first redelivery of a cause: `increase()` over a series born at 1
+    would miss that first one, and an alert on `cause="unacked"` would read nothing."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    for cause in ("nak", "unacked"):
+        value = registry.get_sample_value("charge_worker_redeliveries_total", {"cause": cause})
+        assert value == 0, cause
+    metrics.redeliveries.labels("unacked").inc()
+    assert registry.get_sample_value("charge_worker_redeliveries_total", {"cause": "unacked"}) == 1
 
 
 def test_processing_time_keeps_its_buckets() -> None:

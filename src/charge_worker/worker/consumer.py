@@ -4,7 +4,9 @@ A fetched message's AckWait clock is already running, so the loop fetches only a
 messages as it has free slots. Each message goes one way (`_handle`): under a heartbeat
 (`+WPI`), `Pipeline.conclude` turns it into what it came to and the action it calls for
 (decided and recorded there); `_act` executes that action, once, and is the one place that
-acks, naks, requeues or terminates; `_account` counts it and writes its canonical line.
+acks, naks, requeues or terminates; `_account` counts it and writes its canonical line (a
+redelivery by its cause, known once the claim has read the ledger row: asked for by a nak,
+or `unacked`).
 While the gateway's breaker is open nothing is fetched (messages wait in the stream and
 spend no deliveries); a cheap probe closes it again. On stop: no more fetches, in-flight
 work gets `drain_s` to finish, and anything cancelled is left un-acked for JetStream to
@@ -192,8 +194,6 @@ class Consumer:
         under a heartbeat, its action executed once, counted and told in one canonical
         line; one span, and the task's lines bound to the delivery."""
         delivery = _delivery(msg)
-        if delivery.num_delivered > 1:
-            self.metrics.redeliveries.inc()
         # this task's lines name the delivery, and once parsed the charge (`pipeline`)
         structlog.contextvars.bind_contextvars(
             stream_seq=delivery.stream_seq, delivery=delivery.num_delivered
@@ -287,6 +287,9 @@ class Consumer:
         outcome, described = processed.result.outcome, describe(action)
         self.metrics.messages.labels(outcome.value, str(described["action"])).inc()
         self.metrics.processing.observe(seconds)
+        # counted once its cause is known: after the claim read the row's nak
+        if (redelivery := processed.redelivery) is not None:
+            self.metrics.redeliveries.labels(redelivery.value).inc()
         if outcome is Outcome.DUPLICATE:
             self.metrics.duplicates.inc()
         if outcome in (Outcome.CHARGED, Outcome.DECLINED, Outcome.BLOCKED):
@@ -298,6 +301,7 @@ class Consumer:
             "charge.settled",
             stream_seq=delivery.stream_seq,
             delivery=delivery.num_delivered,
+            redelivery=redelivery.value if redelivery else None,
             order_id=charge.order_id if charge else None,
             billing_period=charge.billing_period.isoformat() if charge else None,
             outcome=outcome.value,

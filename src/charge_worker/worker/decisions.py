@@ -164,6 +164,29 @@ def decide(result: Result, delivery: int, policy: Policy) -> Action:
     return Nak(policy.backoff_delay(delivery))
 
 
+class RedeliveryCause(StrEnum):
+    """Why a message came again; the `cause` label of `charge_worker_redeliveries_total`."""
+
+    NAK = "nak"  # its previous delivery nak'd it with a delay, on purpose (`decide`)
+    UNACKED = "unacked"  # nobody told JetStream anything: AckWait ran out, a worker died
+
+
+def redelivery_cause(delivery: int, nak_delivery: int | None) -> RedeliveryCause | None:
+    """Why delivery `delivery` of a message came; None for a first delivery.
+
+    `nak_delivery` is the delivery of the same message that the ledger row says nak'd it
+    last (`Claim.nak_delivery`; None when nothing was claimed, or no nak was recorded). Only
+    the row can tell, not the worker: another pod may have nak'd it. A redelivery is asked
+    for when its previous delivery nak'd; anything else is `unacked`, including a nak that
+    wrote nothing (the ledger away, a claim refused): when it cannot be shown to be asked
+    for, a redelivery counts as the incident's pattern."""
+    if delivery <= 1:
+        return None
+    if nak_delivery is not None and nak_delivery == delivery - 1:
+        return RedeliveryCause.NAK
+    return RedeliveryCause.UNACKED
+
+
 MAX_EXHAUSTIONS = 3  # copies of one message that may run out of deliveries unsettled
 EXHAUSTED_HEADER = "Charge-Exhausted"  # on a requeued copy: how many copies ran out before
 # processing: settled by the provider's webhook or reconcile, never by a redelivery; a

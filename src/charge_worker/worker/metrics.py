@@ -2,7 +2,9 @@
 
 Label values come from the same enums as the decisions. Redeliveries are counted by the
 worker (`num_delivered > 1`) as a counter: the server's `num_redelivered` is a gauge that
-goes down, so `increase()` over it lies. The registry also carries the process and runtime
+goes down, so `increase()` over it lies. Each is counted once, by its cause
+(`decisions.RedeliveryCause`): asked for by a nak, or not; both series exist from the start,
+so the first redelivery of either is an increase. The registry also carries the process and runtime
 collectors (`process_*`, `python_gc_*`, `python_info`) the client's default registry has.
 Every figure is a stock prometheus_client class, updated through its public calls
 (`.labels(...).inc()`, `.observe()`), as the webhook receiver's are. A labelled counter
@@ -23,6 +25,7 @@ from prometheus_client import (
 )
 
 from charge_worker.breaker import Breaker
+from charge_worker.worker.decisions import RedeliveryCause
 
 PREFIX = "charge_worker"
 
@@ -59,9 +62,18 @@ class Metrics:
                 registry=registry,
             )
         )
-        self.redeliveries = Counter(
-            f"{PREFIX}_redeliveries", "Deliveries seen with num_delivered > 1.", registry=registry
+        self.redeliveries = Labelled(
+            Counter(
+                f"{PREFIX}_redeliveries",
+                "Deliveries seen with num_delivered > 1, by cause: nak (the previous delivery"
+                " nak'd it with a delay, on purpose, as the ledger row records) or unacked"
+                " (nothing recorded a nak: AckWait ran out, a worker died, an ack was lost).",
+                ["cause"],
+                registry=registry,
+            )
         )
+        for cause in RedeliveryCause:
+            self.redeliveries.labels(cause.value)
         self.duplicates = Counter(
             f"{PREFIX}_duplicates_absorbed",
             "Deliveries of charges already final, absorbed by the ledger claim.",

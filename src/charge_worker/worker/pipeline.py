@@ -7,8 +7,10 @@
    Every error becomes a `Result`; what happened on the way is a frozen `Processed`.
 2. `decisions.decide`: the result -> `Ack | Nak | DeadLetter | Requeue`.
 3. `_record`: what the delivery came to, in one ledger statement with its event: the final
-   state found, or staying pending, or giving up. When the ledger refuses a final state
-   (another worker owns the charge now), the refusal is the result: decided again, told.
+   state found, or staying pending (a nak records which delivery nak'd, so that its
+   redelivery is known as asked for: `Processed.redelivery`), or giving up. When the
+   ledger refuses a final state (another worker owns the charge now), the refusal is the
+   result: decided again, told.
 
 It returns a `Concluded` (the `Processed` and its action), and `consumer.py` executes that
 action, once. Nothing here touches the message.
@@ -57,11 +59,14 @@ from charge_worker.settings import LEASE_RENEWAL_S
 from charge_worker.worker.decisions import (
     Action,
     DeadLetter,
+    Nak,
     Outcome,
     Policy,
+    RedeliveryCause,
     Result,
     decide,
     describe,
+    redelivery_cause,
     result_of,
 )
 from charge_worker.worker.failpoints import Failpoints
@@ -117,6 +122,15 @@ class Processed:
             and not (self.looked_up and self.found is None)
         )
         return Attempted(self.called + inherited, self.verdict, self.deferred_reason)
+
+    @property
+    def redelivery(self) -> RedeliveryCause | None:
+        """Why this delivery came again (None: the first): asked for when the claimed row says
+        this message's previous delivery nak'd it."""
+        claim = self.claim
+        return redelivery_cause(
+            self.delivery.num_delivered, claim.nak_delivery if claim is not None else None
+        )
 
     def story(self, action: Action) -> dict[str, object]:
         """The `delivery` event: what this delivery came to and what JetStream was told."""
@@ -174,10 +188,12 @@ class LedgerPort(Protocol):
         error: str,
         *,
         keep_lease: bool,
+        nak_delivery: int | None = None,
         story: Mapping[str, object] | None = None,
         attempted: Attempted = ...,
     ) -> None:
-        """Stay pending (fenced); the lease kept while a call may be in flight."""
+        """Stay pending (fenced); the lease kept while a call may be in flight; the delivery
+        that naks (`nak_delivery`) recorded for the next claim to read."""
 
     async def give_up(
         self,
@@ -493,6 +509,9 @@ class Pipeline:
                         claim,
                         processed.result.error or processed.result.outcome.value,
                         keep_lease=processed.result.call_in_flight,
+                        nak_delivery=(
+                            processed.delivery.num_delivered if isinstance(action, Nak) else None
+                        ),
                         story=story,
                         attempted=attempted,
                     )

@@ -1,0 +1,11 @@
+-- The delivery that last nak'd the row's charge and left it pending (`Ledger.retry_later`
+-- under a nak): the worker naks with a delay on purpose (a gateway brownout, no scoring
+-- verdict under `hold`, an outcome to wait out), and a redelivery it asked for is no
+-- incident. A claim reads it with `last_stream_seq`, the message that delivery was of: a
+-- redelivery whose previous delivery of the same message is recorded here counts as
+-- `cause="nak"`, any other as `cause="unacked"` (AckWait ran out under work in progress, a
+-- pod died, an ack was lost), and only those page (ChargeWorkerRedeliveries,
+-- docs/runbook.md). A value left from an earlier message of the row means nothing there.
+-- NULL: no nak recorded (or none since a release before this column).
+-- Additive and instant: a nullable column without a default rewrites and scans nothing.
+ALTER TABLE charge_attempts ADD COLUMN nak_delivery bigint;
