@@ -9,7 +9,7 @@ message only, JetStream's own redelivery after a nak with a delay, and after Ack
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import asyncpg
 import pytest
@@ -31,14 +31,6 @@ from tests.support.harness import (
 )
 
 EXPIRED = "UPDATE charge_attempts SET lease_until = now() - interval '1 second'"
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
-    assert pool is not None
-    yield pool
-    await pool.close()
 
 
 @pytest.fixture
