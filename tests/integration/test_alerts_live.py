@@ -18,20 +18,13 @@ makes every message come back. Scoring recovering ends it: every charge is made 
 from __future__ import annotations
 
 import contextlib
-import json
-import re
-import shutil
-import signal
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from nats.aio.client import Client
 
-from charge_worker.sandbox.embedded import free_port
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from tests.support.harness import (
@@ -45,10 +38,17 @@ from tests.support.harness import (
     set_sim,
     settings_for,
 )
+from tests.support.prometheus import (
+    ALERTS,
+    PROMETHEUS,
+    alert_state,
+    minutes_as_seconds,
+    prometheus,
+    ready,
+    scraping,
+)
+from tests.support.prometheus import api as _api
 
-ROOT = Path(__file__).parents[2]
-ALERTS = ROOT / "config" / "alerts.yml"
-PROMETHEUS = shutil.which("prometheus")
 ALERT = "ChargeWorkerRedeliveries"
 CHARGES = 20
 WAIT_S = 60.0
@@ -61,12 +61,6 @@ pytestmark = [
 ]
 
 
-def minutes_as_seconds(rules: str) -> str:
-    """Every PromQL and `for:` duration divided by 60: 5m -> 5s, 1h -> 1m, 1d -> 1h."""
-    shorter = {"m": "s", "h": "m", "d": "h"}
-    return re.sub(r"(?<![\w$.])(\d+)([mhd])\b", lambda m: m.group(1) + shorter[m.group(2)], rules)
-
-
 def test_durations_are_shortened_and_nothing_else() -> None:
     assert minutes_as_seconds("sum(increase(x[5m])) > 10\nfor: 15m") == (
         "sum(increase(x[5s])) > 10\nfor: 15s"
@@ -75,80 +69,6 @@ def test_durations_are_shortened_and_nothing_else() -> None:
         "x[1m] offset 15s, y[5s:1s], z[30s], 250ms, $5m"
     )
     assert minutes_as_seconds("in the last 5 minutes, 10 m") == "in the last 5 minutes, 10 m"
-
-
-@contextlib.contextmanager
-def prometheus(workdir: Path, targets: list[str]) -> Iterator[str]:
-    """Prometheus on a free loopback port, scraping `targets` and evaluating the shortened
-    rules every second; its URL. Its log is `workdir/prometheus.log`."""
-    assert PROMETHEUS is not None
-    rules = workdir / "alerts.yml"
-    rules.write_text(minutes_as_seconds(ALERTS.read_text()))
-    config = workdir / "prometheus.yml"
-    config.write_text(  # JSON is YAML
-        json.dumps(
-            {
-                "global": {
-                    "scrape_interval": "1s",
-                    "scrape_timeout": "1s",
-                    "evaluation_interval": "1s",
-                },
-                "rule_files": [str(rules)],
-                "scrape_configs": [
-                    {"job_name": "charge-worker", "static_configs": [{"targets": targets}]}
-                ],
-            }
-        )
-    )
-    port = free_port()
-    with (workdir / "prometheus.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-async def _api(client: httpx.AsyncClient, path: str) -> Any:
-    response = await client.get(path)
-    response.raise_for_status()
-    body = response.json()
-    assert body["status"] == "success", body
-    return body["data"]
-
-
-async def alert_state(client: httpx.AsyncClient, name: str) -> str:
-    """`firing`, `pending`, or `inactive` (a resolved alert leaves the list)."""
-    alerts = (await _api(client, "/api/v1/alerts"))["alerts"]
-    states = {a["state"] for a in alerts if a["labels"]["alertname"] == name}
-    return "firing" if "firing" in states else ("pending" if states else "inactive")
-
-
-async def ready(client: httpx.AsyncClient) -> bool:
-    with contextlib.suppress(httpx.TransportError):
-        return (await client.get("/-/ready")).status_code == 200
-    return False
-
-
-async def scraping(client: httpx.AsyncClient, count: int) -> bool:
-    targets = (await _api(client, "/api/v1/targets"))["activeTargets"]
-    return sum(t["health"] == "up" for t in targets) == count
 
 
 @contextlib.asynccontextmanager
