@@ -164,7 +164,8 @@ async def test_a_body_postgresql_cannot_store_is_dead_lettered_poison_at_once(
         await eventually(lambda: dead_letters_at_least(nc, cfg, len(bodies)), "the dead letters")
         await eventually(lambda: consumer_idle(nc, cfg), "every message settled")
         assert worker.metric("charge_worker_dead_letters_total", reason="poison") == len(bodies)
-        assert worker.metric("charge_worker_redeliveries_total") == 0
+        assert worker.metric("charge_worker_redeliveries_total", cause="unacked") == 0
+        assert worker.metric("charge_worker_redeliveries_total", cause="nak") == 0
         assert worker.metric("charge_worker_requeues_total") == 0
     for dlq_seq, (seq, body) in enumerate(zip(seqs, bodies, strict=True), start=1):
         dead = await js.get_msg(cfg.dlq_stream, dlq_seq)

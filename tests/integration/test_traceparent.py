@@ -49,7 +49,8 @@ async def test_a_non_ascii_traceparent_is_dropped_and_the_charge_made(
 
             await eventually(both_charged, "both charges made")
             await eventually(lambda: consumer_idle(nc, cfg), "both messages acked")
-            assert worker.metric("charge_worker_redeliveries_total") == 0
+            assert worker.metric("charge_worker_redeliveries_total", cause="unacked") == 0
+            assert worker.metric("charge_worker_redeliveries_total", cause="nak") == 0
     assert await gateway_charges(gateway_sim.url) == {f"81:{PERIOD}": 1, f"82:{PERIOD}": 1}
     assert (await js.stream_info(cfg.dlq_stream)).state.messages == 0
     traced = {

@@ -161,7 +161,8 @@ async def test_scoring_slower_than_ack_wait_charges_once_without_redelivery(
     await publish(js, settings.nats.subject, due(9))
     async with running_worker(settings) as worker:
         await eventually(settled(database_url, 1), "the charge settled")
-        assert worker.metric("charge_worker_redeliveries_total") == 0
+        assert worker.metric("charge_worker_redeliveries_total", cause="unacked") == 0
+        assert worker.metric("charge_worker_redeliveries_total", cause="nak") == 0
         assert worker.metric("charge_worker_heartbeats_total") >= 3
     assert await gateway_charges(gateway_sim.url) == {"9:2026-12-01": 1}
 
@@ -429,7 +430,8 @@ async def test_metrics_scraped_after_redeliveries_and_dead_letters(
         for family in text_string_to_metric_families(exposition)
         for s in family.samples
     }
-    assert samples[("charge_worker_redeliveries_total", ())] == 1
+    assert samples[("charge_worker_redeliveries_total", (("cause", "nak"),))] == 1
+    assert samples[("charge_worker_redeliveries_total", (("cause", "unacked"),))] == 0
     assert samples[("charge_worker_dead_letters_total", (("reason", "poison"),))] == 1
     charged = (("action", "ack"), ("outcome", "charged"))
     assert samples[("charge_worker_messages_total", charged)] == 1
