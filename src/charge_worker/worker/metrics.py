@@ -4,8 +4,9 @@ Label values come from the same enums as the decisions. Redeliveries are counted
 worker (`num_delivered > 1`) as a counter: the server's `num_redelivered` is a gauge that
 goes down, so `increase()` over it lies. Each is counted once, by its cause
 (`decisions.RedeliveryCause`): asked for by a nak, or not; both series exist from the start,
-so the first redelivery of either is an increase. The registry also carries the process and runtime
-collectors (`process_*`, `python_gc_*`, `python_info`) the client's default registry has.
+so the first redelivery of either is an increase. The registry also carries the process and
+runtime collectors (`process_*`, `python_gc_*`, `python_info`) the client's default registry
+has.
 Every figure is a stock prometheus_client class, updated through its public calls
 (`.labels(...).inc()`, `.observe()`), as the webhook receiver's are. A labelled counter
 counted on every delivery keeps its children (`Labelled`): `labels()` checks its arguments
