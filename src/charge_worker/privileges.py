@@ -78,6 +78,8 @@ RUN = Needs(
         Grant("charge_outcomes", ("SELECT", "UPDATE", "DELETE")),
         # the jobs' latest runs, exported as gauges (jobs/exporter.py)
         Grant("job_runs", ("SELECT",)),
+        # each pod's own row: its breakers, in flight, pause seen (worker/presence.py)
+        Grant("worker_pods", ("SELECT", "INSERT", "UPDATE")),
     ),
 )
 # CHARGE_WORKER_VERIFY_SUBSCRIPTION=match: the claim reads the message's subscription
@@ -148,7 +150,8 @@ EXPLAIN = Needs(
     ),
 )
 # `charge-worker status`: it reads the jobs' runs, the open due charges, the outbox's
-# oldest unsent event and the deferred checks pending; it writes nothing
+# oldest unsent event, the deferred checks pending and the worker pods' rows; it writes
+# nothing
 STATUS = Needs(
     "status",
     (
@@ -156,6 +159,7 @@ STATUS = Needs(
         Grant("job_runs", ("SELECT",)),
         Grant("charge_outcomes", ("SELECT",)),
         Grant("deferred_scoring_checks", ("SELECT",)),
+        Grant("worker_pods", ("SELECT",)),
     ),
 )
 EVERY_COMMAND = (RUN, WEBHOOKS, PRODUCE, RETRY, RECONCILE, RESOLVE, EXPLAIN, STATUS)

@@ -2,9 +2,9 @@
 
 SIGTERM and SIGINT only set the stop event; the consumer decides what stopping means
 (no more fetches, in-flight work drained within `drain_s`, nothing acked on cancel). The
-side tasks (re-scoring, the outcome relay, consumer stats, the HTTP server) are watched
-(`health.SideTasks`): one that dies is logged at error level and fails `/healthz`, so the
-pod is restarted.
+side tasks (re-scoring, the outcome relay, the job runs' gauges, this pod's row in
+`worker_pods`, consumer stats, the HTTP server) are watched (`health.SideTasks`): one
+that dies is logged at error level and fails `/healthz`, so the pod is restarted.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from charge_worker.worker.failpoints import Failpoints
 from charge_worker.worker.health import Health, SideTasks, report_consumer_stats
 from charge_worker.worker.metrics import Metrics
 from charge_worker.worker.pipeline import Pipeline
+from charge_worker.worker.presence import Presence
 from charge_worker.worker.rescoring import BATCH, rescore_deferred
 
 log = structlog.get_logger(__name__)
@@ -135,6 +136,14 @@ async def run_worker(  # noqa: PLR0915 (the wiring: every part, once, in start o
     )
     side_tasks.start("outcome_relay", relay.run(stop))
     side_tasks.start("job_runs", export_job_runs(pool, metrics.registry, stop))
+    presence = Presence(
+        owner,
+        (gateway.breaker, scoring.breaker),
+        in_flight=lambda: len(consumer.in_flight),
+        # as report_consumer_stats last read the consumer
+        paused=lambda: metrics.registry.get_sample_value("charge_worker_paused") == 1,
+    )
+    side_tasks.start("pods", presence.run(pool, stop))
     side_tasks.start(
         "consumer_stats",
         report_consumer_stats(
