@@ -1,8 +1,9 @@
 """`charge-worker status`: what it gathers is exactly the world as seeded (a paused consumer
 with its reason, messages waiting, one redelivered, dead letters by reason, each job's
 runs, reconcile's findings, an open due charge, an unsent outcome event, a deferred
-check), its JSON is that one object, and a dependency away is a part named, not a crash.
-(As a command: tests/e2e/test_status_cli.py.)
+check, no worker pod), its JSON is that one object, and a dependency away is a part named,
+not a crash. (As a command: tests/e2e/test_status_cli.py; the worker pods:
+tests/integration/test_worker_pods.py.)
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from charge_worker.admin.pause import pause
+from charge_worker.admin.screen import render
 from charge_worker.admin.status import (
-    BREAKERS,
     Backlog,
     DeadLetterCounts,
     Failure,
@@ -27,10 +28,10 @@ from charge_worker.admin.status import (
     ReconcileRun,
     Status,
     gather,
-    render,
 )
 from charge_worker.dlq import DeadLetters
 from charge_worker.jobs.figures import RECONCILE_COUNTS
+from charge_worker.jobs.pods import BreakerState, Pod, Pods
 from charge_worker.jobs.runs import record
 from charge_worker.sandbox.embedded import free_port
 from charge_worker.settings import NatsSettings, Settings
@@ -171,7 +172,7 @@ async def test_status_gathers_exactly_the_world_as_seeded(
     assert status.outbox_oldest_unsent_s is not None
     assert unsent_before <= status.outbox_oldest_unsent_s <= unsent_after
     assert status.deferred_checks_pending == 1
-    assert status.breakers == BREAKERS
+    assert status.pods == Pods(seen=(), not_seen=0, seen_within_s=120.0)  # no worker ran
 
     screen = render(status)
     assert 12 <= len(screen) <= 25, screen
@@ -182,7 +183,7 @@ async def test_status_gathers_exactly_the_world_as_seeded(
     assert "3 in " + cfg.dlq_stream + ": poison 2, max_deliveries 1" in text
     assert "double charges 2, discrepancies 1, unmatched 3, errors 0; held (paused)" in text
     assert "(the latest run failed)" in text  # produce's
-    assert "charge_worker_breaker_open" in text
+    assert "pods:         0 seen in the last 2m 0s (each writes every 30s), 0 not seen" in text
 
 
 async def test_the_dead_letters_read_are_capped_and_say_so(nc: Client, settings: Settings) -> None:
@@ -231,6 +232,21 @@ async def test_its_json_is_one_object_of_every_part(settings: Settings) -> None:
     status = Status(
         checked_at=moment,
         runs=(JobRuns("produce", moment, None),),
+        pods=Pods(
+            seen=(
+                Pod(
+                    worker="vm:5027:4cf957",
+                    started_at=moment,
+                    seen_at=moment,
+                    seen_s_ago=3.5,
+                    breakers={"gateway": BreakerState("open", moment)},
+                    in_flight=2,
+                    paused=True,
+                ),
+            ),
+            not_seen=1,
+            seen_within_s=120.0,
+        ),
         failed=(Failure("database", "cannot connect to the database: refused"),),
     )
 
@@ -241,6 +257,21 @@ async def test_its_json_is_one_object_of_every_part(settings: Settings) -> None:
     assert document["runs"] == [
         {"job": "produce", "last_ok_at": "2026-12-06T03:00:00+00:00", "last_failed_at": None}
     ]
+    assert document["pods"] == {
+        "seen": [
+            {
+                "worker": "vm:5027:4cf957",
+                "started_at": "2026-12-06T03:00:00+00:00",
+                "seen_at": "2026-12-06T03:00:00+00:00",
+                "seen_s_ago": 3.5,
+                "breakers": {"gateway": {"state": "open", "since": "2026-12-06T03:00:00+00:00"}},
+                "in_flight": 2,
+                "paused": True,
+            }
+        ],
+        "not_seen": 1,
+        "seen_within_s": 120.0,
+    }
     assert document["failed"] == [
         {"part": "database", "error": "cannot connect to the database: refused"}
     ]

@@ -3,14 +3,15 @@
 Whether charging runs (the kill switch: who paused, when, why), how far behind it is (the
 consumer's lag, ack-pending against its limit, redeliveries, the oldest due charge not yet
 charged), the dead letters by reason, the money-moving jobs' latest runs and reconcile's
-findings, the outcome events' outbox and the deferred scoring checks. Each part is read
-with the call its owner exports (`streams`, `dlq`, `jobs`, `outcomes`, `ledger`); nothing
-here writes. `gather` reads into one frozen `Status`, `render` turns it into lines.
+findings, the outcome events' outbox, the deferred scoring checks, and the worker pods:
+each one's breakers and messages in flight as it last wrote them to `worker_pods` (a
+breaker lives in one pod's memory), the pods not seen for `pods.SEEN_WITHIN_S` counted
+apart. Each part is read with the call its owner exports (`streams`, `dlq`, `jobs`,
+`outcomes`, `ledger`); nothing here writes. `gather` reads into one frozen `Status`,
+`screen.render` turns it into lines.
 
 A part that cannot be read (NATS or PostgreSQL away, a grant missing, the consumer not
 provisioned) is named in `failed` with its one-line error, and the rest is shown: exit 1.
-The breakers are no part: their state lives in each worker pod's memory, and only that
-pod's `/metrics` says it (`charge_worker_breaker_open{dependency}`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from charge_worker import database, privileges, streams
+from charge_worker.admin.screen import render
 from charge_worker.database import translated
 from charge_worker.display import printable
 from charge_worker.dlq import DeadLetters
 from charge_worker.errors import ChargeWorkerError, DependencyUnavailable, ProvisioningError
-from charge_worker.jobs import backlog, runs
+from charge_worker.jobs import backlog, pods, runs
 from charge_worker.jobs.figures import RECONCILE_COUNTS
+from charge_worker.jobs.pods import Pods
 from charge_worker.ledger import DeferredChecks
 from charge_worker.outcomes.outbox import Outbox
 from charge_worker.settings import NatsSettings, Settings
@@ -50,16 +53,6 @@ DEAD_LETTERS_READ = 1000  # the newest; each is one request, to read its Dlq-Rea
 _DEAD_LETTERS_AT_ONCE = 50
 ANSWER_S = 15.0  # a server that has not answered by then is reported, not waited for
 PROGRESS_AFTER_S = 1.0  # reading dead letters longer than this shows a line on stderr
-BREAKERS = (
-    "per pod, not read here: charge_worker_breaker_open{dependency} on each worker's /metrics"
-)
-# the findings of reconcile's latest finished run shown on the screen (--json: all counts)
-_FINDINGS = {
-    "double_charges": "double charges",
-    "discrepancies": "discrepancies",
-    "unmatched_charges": "unmatched",
-    "errors": "errors",
-}
 
 Progress = Callable[[int, int], None]
 # the parts `failed` may name, in the screen's order ("nats", "database": no connection)
@@ -72,6 +65,7 @@ _PARTS = (
     "oldest due charge",
     "outbox",
     "deferred checks",
+    "worker pods",
 )
 
 
@@ -142,7 +136,7 @@ class Status:
     reconcile: ReconcileRun | None = None
     outbox_oldest_unsent_s: float | None = None
     deferred_checks_pending: int | None = None
-    breakers: str = BREAKERS
+    pods: Pods | None = None
     failed: tuple[Failure, ...] = ()
 
     @property
@@ -167,6 +161,7 @@ class _Found:
     reconcile: ReconcileRun | None = None
     outbox_oldest_unsent_s: float | None = None
     deferred_checks_pending: int | None = None
+    pods: Pods | None = None
     failed: list[Failure] = field(default_factory=list)
 
     async def read(self, part: str, reading: Awaitable[T]) -> T | None:
@@ -209,6 +204,7 @@ async def gather(
         reconcile=found.reconcile,
         outbox_oldest_unsent_s=found.outbox_oldest_unsent_s,
         deferred_checks_pending=found.deferred_checks_pending,
+        pods=found.pods,
         failed=tuple(failed),
     )
 
@@ -335,127 +331,7 @@ async def _read_database(settings: Settings, pool: asyncpg.Pool, found: _Found) 
     found.outbox_oldest_unsent_s = await found.read("outbox", outbox.oldest_unsent_s())
     checks = DeferredChecks(pool, retry_s=worker.deferred_check_interval_s)
     found.deferred_checks_pending = await found.read("deferred checks", checks.pending())
-
-
-def render(status: Status) -> list[str]:
-    """The screen: one section a line or two, ages from `checked_at`."""
-    now = status.checked_at
-    lines = [f"charge-worker status at {status.checked_at:%Y-%m-%d %H:%M:%S} UTC"]
-    lines += _charging(status.charging)
-    lines += _backlog(status.backlog, status.oldest_due_s)
-    lines += _dead_letter_lines(status.dead_letters)
-    lines += _run_lines(status.runs, status.reconcile, now)
-    if status.outbox_oldest_unsent_s is None:
-        lines.append(_row("outbox", "not read"))
-    elif status.outbox_oldest_unsent_s <= 0:
-        lines.append(_row("outbox", "every outcome event is in the stream"))
-    else:
-        age = _age(status.outbox_oldest_unsent_s)
-        lines.append(_row("outbox", f"oldest outcome event not in the stream yet: {age} old"))
-    pending = status.deferred_checks_pending
-    count = "not read" if pending is None else f"{pending} pending"
-    lines.append(_row("scoring", f"deferred checks (charged before a verdict): {count}"))
-    lines.append(_row("breakers", status.breakers))
-    lines += [_row("FAILED", f"{f.part}: {f.error}") for f in status.failed]
-    return lines
-
-
-def _row(label: str, text: str) -> str:
-    return f"{label + ':' if label else '':<14}{text}"
-
-
-def _charging(state: PauseState | None) -> list[str]:
-    if state is None:
-        return [_row("charging", "not read")]
-    where = f"{state.stream}/{state.consumer}"
-    if not state.paused:
-        return [_row("charging", f"delivering ({where})")]
-    told = (
-        f"since {state.paused_at or 'unknown'} by {state.paused_by or 'unknown'},"
-        f" reason: {state.reason or 'none given'}"
-    )
-    return [
-        _row("charging", f"PAUSED ({where}): nothing is charged until `charge-worker resume`"),
-        _row("", printable(told)),
-    ]
-
-
-def _backlog(counts: Backlog | None, oldest_due_s: float | None) -> list[str]:
-    if counts is None:
-        first = "not read"
-    else:
-        first = (
-            f"{counts.lag} waiting (lag), {counts.ack_pending} ack pending of max"
-            f" {counts.max_ack_pending}, {counts.redelivered} redelivered,"
-            f" {counts.waiting_pulls} pulls waiting"
-        )
-    if oldest_due_s is None:
-        due = "oldest due charge not yet charged: not read"
-    elif oldest_due_s <= 0:
-        due = "no due charge waiting to be charged"
-    else:
-        due = f"oldest due charge not yet charged: due {_age(oldest_due_s)} ago"
-    return [_row("backlog", first), _row("", due)]
-
-
-def _dead_letter_lines(counts: DeadLetterCounts | None) -> list[str]:
-    if counts is None:
-        return [_row("dead letters", "not read")]
-    if not counts.total:
-        return [_row("dead letters", f"none in {counts.stream}")]
-    reasons = ", ".join(f"{printable(r)} {n}" for r, n in counts.by_reason.items()) or "-"
-    lines = [_row("dead letters", f"{counts.total} in {counts.stream}: {reasons}")]
-    if counts.capped:
-        lines.append(_row("", f"(reasons of the newest {counts.read} only; `dlq list` for all)"))
-    return lines
-
-
-def _run_lines(
-    latest: tuple[JobRuns, ...] | None, reconcile: ReconcileRun | None, now: dt.datetime
-) -> list[str]:
-    if latest is None:
-        return [_row("last runs", "not read")]
-    lines = []
-    for i, job in enumerate(latest):
-        ok = f"ok {_ago(job.last_ok_at, now)}" if job.last_ok_at else "never ok"
-        text = f"{job.job:<10} {ok}"
-        if job.last_failed_at is not None:
-            text += f", failed {_ago(job.last_failed_at, now)}"
-            if job.last_ok_at is None or job.last_failed_at > job.last_ok_at:
-                text += " (the latest run failed)"
-        lines.append(_row("last runs" if i == 0 else "", text))
-        if job.job == "reconcile":
-            lines.append(_row("", " " * 11 + _findings(reconcile, now)))
-    return lines
-
-
-def _findings(run: ReconcileRun | None, now: dt.datetime) -> str:
-    if run is None:
-        return "no finished run: no findings"
-    found = ", ".join(f"{label} {run.counts.get(name, 0)}" for name, label in _FINDINGS.items())
-    text = f"its latest finished run ({_ago(run.finished_at, now)}) found: {found}"
-    if run.held:
-        text += "; held (paused): changed nothing"
-    return text
-
-
-def _ago(moment: dt.datetime, now: dt.datetime) -> str:
-    return f"{_age((now - moment).total_seconds())} ago"
-
-
-def _age(seconds: float) -> str:
-    """`45s`, `12m 3s`, `3h 12m`, `2d 4h`."""
-    s = max(int(seconds), 0)
-    days, s = divmod(s, 86400)
-    hours, s = divmod(s, 3600)
-    minutes, s = divmod(s, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    if minutes:
-        return f"{minutes}m {s}s"
-    return f"{s}s"
+    found.pods = await found.read("worker pods", pods.recent(pool))
 
 
 def _iso(value: object) -> str:
