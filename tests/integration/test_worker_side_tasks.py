@@ -1,7 +1,7 @@
 """The tasks beside the pull loop are supervised: one that dies fails `/healthz`, naming it.
 
-`charge-worker run` runs the re-scoring loop, the consumer-stats loop and the HTTP server
-beside the pull loop. Each test kills one of them in a real worker (real NATS, PostgreSQL
+`charge-worker run` runs the re-scoring loop, the consumer-stats loop, the outcome relay, the
+job-runs exporter, its presence in `worker_pods` and the HTTP server beside the pull loop. Each test kills one of them in a real worker (real NATS, PostgreSQL
 and simulators over HTTP) by cancelling its task, found by the coroutine it runs, and
 expects an error-level log line and a failing `/healthz` that names the dead task (a
 cancelled uvicorn loop leaves its sockets answering, so even the HTTP task's death is told
@@ -25,6 +25,9 @@ from tests.support.harness import eventually, provisioned, running_worker, setti
 SIDE_TASKS = {
     "rescore_deferred": "rescoring",
     "report_consumer_stats": "consumer_stats",
+    "Relay.run": "outcome_relay",
+    "export_job_runs": "job_runs",
+    "Presence.run": "pods",
     "Server.serve": "http",  # uvicorn's loop; the sockets it opened answer on without it
 }
 
