@@ -1,11 +1,12 @@
 """The tasks beside the pull loop are supervised: one that dies fails `/healthz`, naming it.
 
 `charge-worker run` runs the re-scoring loop, the consumer-stats loop, the outcome relay, the
-job-runs exporter, its presence in `worker_pods` and the HTTP server beside the pull loop. Each test kills one of them in a real worker (real NATS, PostgreSQL
-and simulators over HTTP) by cancelling its task, found by the coroutine it runs, and
-expects an error-level log line and a failing `/healthz` that names the dead task (a
-cancelled uvicorn loop leaves its sockets answering, so even the HTTP task's death is told
-there; a server that stopped answering fails the probe by itself).
+job-runs exporter, its presence in `worker_pods` and the HTTP server beside the pull loop.
+Each test kills one of them in a real worker (real NATS, PostgreSQL and simulators over HTTP)
+by cancelling its task, found by the coroutine it runs, and expects an error-level log line
+and a failing `/healthz` that names the dead task (a cancelled uvicorn loop leaves its
+sockets answering, so even the HTTP task's death is told there; a server that stopped
+answering fails the probe by itself).
 """
 
 from __future__ import annotations
