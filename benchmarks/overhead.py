@@ -315,11 +315,7 @@ class Worker:
             metrics=metrics,
             failpoints=failpoints,
         )
-        outbox = Outbox(
-            pool,
-            hold_s=2 * settings.worker.outbox_publish_timeout_s,
-            retry_max_s=settings.worker.outbox_retry_max_s,
-        )
+        outbox = Outbox.of_worker(pool, settings.worker)
         relay = Relay(
             outbox,
             stream,  # type: ignore[arg-type]  # publishes only

@@ -98,6 +98,14 @@ def db_settings(database_url: str) -> DbSettings:
 
 
 @pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """One connection to the test's database, for what a test reads or seeds by hand."""
+    connection = await asyncpg.connect(database_url)
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
 def nats_settings(nats_url: str) -> NatsSettings:
     """Stream and subject names of this test's own, so tests never see each other's messages."""
     uid = uuid.uuid4().hex[:10]

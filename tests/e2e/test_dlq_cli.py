@@ -24,6 +24,7 @@ from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
 from tests.support.cli import Ran
 from tests.support.cli import cli as in_process
+from tests.support.cli import cli_off_loop as cli
 from tests.support.harness import (
     PERIOD,
     due,
@@ -37,11 +38,6 @@ from tests.support.harness import (
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 LONG_ERROR = "gateway said: " + "card number format invalid " * 20
-
-
-async def cli(*args: str, env: dict[str, str]) -> Ran:
-    """`charge-worker ARGS` in this process (stdin no terminal), off the test's loop."""
-    return await asyncio.to_thread(in_process, *args, env=env)
 
 
 async def spawned(*args: str, env: dict[str, str], stdin: int = subprocess.DEVNULL) -> Ran:

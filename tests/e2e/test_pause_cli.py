@@ -5,7 +5,6 @@ NATS or the consumer is not there. (The workers under a pause: tests/integration
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -16,16 +15,13 @@ from nats.js import JetStreamContext
 from charge_worker import streams
 from charge_worker.admin.pause import AT_KEY, BY_KEY, REASON_KEY
 from charge_worker.sandbox.embedded import free_port
-from charge_worker.settings import NatsSettings
+from charge_worker.settings import NatsSettings, Settings
 from tests.support.cli import Ran
 from tests.support.cli import cli as in_process
+from tests.support.cli import cli_off_loop as cli
+from tests.support.harness import settings_env
 
 RECORD = (REASON_KEY, AT_KEY, BY_KEY)
-
-
-async def cli(*args: str, env: dict[str, str]) -> Ran:
-    """`charge-worker ARGS` in this process, off the test's loop."""
-    return await asyncio.to_thread(in_process, *args, env=env)
 
 
 def document(result: Ran) -> dict[str, Any]:
@@ -37,15 +33,7 @@ def document(result: Ran) -> dict[str, Any]:
 
 @pytest.fixture
 def env(nats_settings: NatsSettings) -> dict[str, str]:
-    return {
-        "NATS_URL": str(nats_settings.url),
-        "CHARGE_WORKER_STREAM": nats_settings.stream,
-        "CHARGE_WORKER_SUBJECT": nats_settings.subject,
-        "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
-        "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
-        "CHARGE_WORKER_OUTCOMES_STREAM": nats_settings.outcomes_stream,
-        "CHARGE_WORKER_OUTCOMES_SUBJECT": nats_settings.outcomes_subject,
-    }
+    return settings_env(Settings(nats=nats_settings))
 
 
 @pytest.fixture

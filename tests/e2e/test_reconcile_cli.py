@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +40,6 @@ def env(nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp) 
         "GATEWAY_URL": gateway_sim.url,
         "GATEWAY_API_KEY": API_KEY,
     }
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 async def charged(

@@ -4,36 +4,22 @@ the CronJob runs: real servers, its output, exit codes."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
+from tests.support.harness import settings_env, settings_for
 
-from .test_reconcile_cli import API_KEY, PERIOD, charges, reconcile, succeeded_row
+from .test_reconcile_cli import PERIOD, charges, reconcile, succeeded_row
+
+NO_SCORING = "http://127.0.0.1:9"  # reconcile never scores
 
 
 @pytest.fixture
 def env(nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp) -> dict[str, str]:
-    return {
-        "NATS_URL": str(nats_settings.url),
-        "CHARGE_WORKER_STREAM": nats_settings.stream,
-        "CHARGE_WORKER_SUBJECT": nats_settings.subject,
-        "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
-        "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
-        "DATABASE_URL": database_url,
-        "GATEWAY_URL": gateway_sim.url,
-        "GATEWAY_API_KEY": API_KEY,
-    }
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
+    return settings_env(settings_for(nats_settings, database_url, gateway_sim.url, NO_SCORING))
 
 
 async def test_a_resolved_discrepancy_no_longer_fails_the_run_and_plain_reconcile_still_runs(

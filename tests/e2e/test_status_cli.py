@@ -5,41 +5,22 @@ one line, exit 1, no traceback. (What it gathers: tests/integration/test_status.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from nats.aio.client import Client
 
 from charge_worker import streams
 from charge_worker.sandbox.embedded import free_port
-from charge_worker.settings import NatsSettings
-from tests.support.cli import Ran
-from tests.support.cli import cli as in_process
-
-
-async def cli(*args: str, env: dict[str, str]) -> Ran:
-    """`charge-worker ARGS` in this process, off the test's loop."""
-    return await asyncio.to_thread(in_process, *args, env=env)
-
-
-def env_for(nats_settings: NatsSettings, database_url: str) -> dict[str, str]:
-    return {
-        "NATS_URL": str(nats_settings.url),
-        "DATABASE_URL": database_url,
-        "CHARGE_WORKER_STREAM": nats_settings.stream,
-        "CHARGE_WORKER_SUBJECT": nats_settings.subject,
-        "CHARGE_WORKER_DLQ_STREAM": nats_settings.dlq_stream,
-        "CHARGE_WORKER_DLQ_SUBJECT": nats_settings.dlq_subject,
-        "CHARGE_WORKER_OUTCOMES_STREAM": nats_settings.outcomes_stream,
-        "CHARGE_WORKER_OUTCOMES_SUBJECT": nats_settings.outcomes_subject,
-    }
+from charge_worker.settings import DbSettings, NatsSettings, Settings
+from tests.support.cli import cli_off_loop as cli
+from tests.support.harness import settings_env
 
 
 async def test_status_json_then_the_database_away(
     nc: Client, nats_settings: NatsSettings, database_url: str
 ) -> None:
     await streams.provision(nc.jetstream(), nats_settings)
-    env = env_for(nats_settings, database_url)
+    env = settings_env(Settings(nats=nats_settings, db=DbSettings(url=database_url)))
     paused = await cli("pause", "--reason", "gateway incident", "--by", "ann", env=env)
     assert paused.returncode == 0, paused.stderr
 

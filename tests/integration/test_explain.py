@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -34,13 +33,6 @@ def settings(
     nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp, scoring_sim: ServedApp
 ) -> Settings:
     return settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 async def told(

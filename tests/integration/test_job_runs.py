@@ -47,13 +47,6 @@ def settings(nats_settings: NatsSettings, database_url: str, gateway_sim: Served
 
 
 @pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
-
-
-@pytest.fixture
 async def roles(pg_admin_url: str) -> AsyncIterator[Roles]:
     roles = await readme_roles(pg_admin_url, migrate)
     yield roles

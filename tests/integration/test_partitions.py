@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
 
 import asyncpg
-import pytest
 
 from charge_worker import partitions
 
 NOW = dt.datetime(2031, 5, 17, 9, 30, tzinfo=dt.UTC)  # past the migration's twelve months
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 async def test_the_migration_leaves_every_month_of_the_next_year_covered(

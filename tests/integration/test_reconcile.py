@@ -11,7 +11,6 @@ import asyncio
 import datetime as dt
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +44,6 @@ EXPIRED_S, LIVE_S = -60.0, 3600.0  # a lease run out a minute ago, or held for a
 
 def key(order_id: int) -> str:
     return f"{order_id}:{PERIOD.isoformat()}"
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 @pytest.fixture

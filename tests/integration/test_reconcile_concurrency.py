@@ -5,7 +5,6 @@ its advisory lock stays on the run's one connection (real PostgreSQL and gateway
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -19,13 +18,6 @@ from tests.support.harness import eventually, provisioned, settings_for
 from .test_reconcile import NO_SCORING, charge_id, key, ledger, put_row
 
 APP = "charge-worker reconcile"
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -30,13 +29,6 @@ from tests.integration.test_reconcile import (
 from tests.support.harness import provisioned, settings_for
 
 NO_SCORING = "http://127.0.0.1:9"  # reconcile never scores
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 @pytest.fixture

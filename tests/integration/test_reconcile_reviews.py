@@ -5,7 +5,6 @@ the gateway simulator over HTTP)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -21,13 +20,6 @@ from tests.support.harness import PERIOD, settings_for
 from .test_reconcile import NO_SCORING, charge_id, charge_statuses, key, ledger, put_row
 
 NOTE = "ch_never_made: a test charge booked by hand in the ledger; finance knows (INC-42)"
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -32,13 +31,6 @@ NO_SCORING = "http://127.0.0.1:9"  # reconcile never scores
 SCHEDULE = (600.0, 1200.0)  # tries 2 and 3 follow a soft decline; try 3's decline is final
 QUIET_S = 3600.0
 CAP = 8
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import asyncio
 import datetime as dt
 import json
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -39,13 +38,6 @@ PERIOD = dt.date(2026, 12, 1)
 DAY_S = 86400.0
 CAP = 8
 FINAL_WITH_MONEY = ("succeeded", "refunded", "processing")
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 async def put_try(

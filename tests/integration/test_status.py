@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -57,13 +56,6 @@ SELECT extract(epoch FROM now() - min(occurred_at))::float8
 def settings(nats_settings: NatsSettings, database_url: str) -> Settings:
     # no backoff: a nak redelivers at once (with one, JetStream waits its first step)
     return settings_for(nats_settings, database_url, NOWHERE, NOWHERE, backoff_s=())
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 async def seed_nats(js: JetStreamContext, settings: Settings) -> None:

@@ -6,7 +6,7 @@ and refunds a double charge. Real nats-server, PostgreSQL and the simulators ove
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import asyncpg
 import pytest
@@ -50,13 +50,6 @@ def settings(
         kind="stripe",
         reconcile_quiet_s=0.01,
     )
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 async def statuses(conn: asyncpg.Connection) -> dict[int, tuple[str, str | None]]:

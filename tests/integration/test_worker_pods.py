@@ -6,31 +6,26 @@ a day and keeps the others.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
-import pytest
 from nats.aio.client import Client
 
 from charge_worker.admin import maintain_command
 from charge_worker.admin.screen import render
 from charge_worker.admin.status import Status, gather
+from charge_worker.breaker import Breaker
 from charge_worker.jobs import pods
 from charge_worker.jobs.pods import BreakerState
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings
+from charge_worker.worker.presence import Presence
 from tests.support.harness import due, eventually, publish, running_worker, set_sim, settings_for
 
 _ROW = "SELECT breakers, started_at, seen_at FROM worker_pods WHERE worker = $1"
-
-
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    yield connection
-    await connection.close()
 
 
 def states(row: asyncpg.Record | None) -> dict[str, str] | None:
@@ -60,10 +55,9 @@ async def test_a_worker_writes_itself_and_a_breaker_that_opens_shows_in_status(
 
         await set_sim(scoring_sim.url, error_rate=1.0)
         await publish(nc.jetstream(), settings.nats.subject, due(1))
-        await eventually(  # written on the change, not at the next tick
+        await eventually(
             lambda: _states(conn, name, {"gateway": "closed", "scoring": "open"}),
             "the scoring breaker open in the worker's row",
-            within_s=pods.TICK_S / 2,
         )
         row = await conn.fetchrow(_ROW, name)
         status = await gather(settings)
@@ -85,6 +79,25 @@ async def test_a_worker_writes_itself_and_a_breaker_that_opens_shows_in_status(
 
 async def _states(conn: asyncpg.Connection, name: str, wanted: dict[str, str]) -> bool:
     return states(await conn.fetchrow(_ROW, name)) == wanted
+
+
+async def test_a_breaker_change_is_written_at_once_not_at_the_next_tick(
+    pool: asyncpg.Pool, conn: asyncpg.Connection
+) -> None:
+    breaker = Breaker("scoring", fail_max=1, reset_s=30.0, counts=lambda _error: True)
+    presence = Presence("p1", [breaker], in_flight=lambda: 0, paused=lambda: False)
+    stop = asyncio.Event()
+    writing = asyncio.create_task(presence.run(pool, stop, interval_s=3600.0))  # no tick here
+    try:
+        await eventually(lambda: _states(conn, "p1", {"scoring": "closed"}), "the first write")
+        with contextlib.suppress(RuntimeError), breaker:
+            raise RuntimeError("scoring answered 500")  # one failure opens it
+
+        # only the change can write it: the next tick is an hour away
+        await eventually(lambda: _states(conn, "p1", {"scoring": "open"}), "the change written")
+    finally:
+        stop.set()
+        await writing
 
 
 async def test_a_pod_unseen_for_2_minutes_is_counted_and_maintain_prunes_a_day_old_one(

@@ -8,6 +8,7 @@ by their own tests: signals, readiness and a clean stop are what those show.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -48,6 +49,12 @@ def cli(*args: str, env: Mapping[str, str] | None = None) -> Ran:
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception  # a crash, not an answer: the test shows its traceback
     return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+async def cli_off_loop(*args: str, env: Mapping[str, str] | None = None) -> Ran:
+    """`cli` from a coroutine test: in a thread, off the test's event loop (the command
+    runs a loop of its own)."""
+    return await asyncio.to_thread(cli, *args, env=env)
 
 
 @contextlib.contextmanager

@@ -323,13 +323,9 @@ async def _read_database(settings: Settings, pool: asyncpg.Pool, found: _Found) 
                 held=bool(run.summary.get("held")),
                 counts={name: int(run.summary.get(name) or 0) for name in RECONCILE_COUNTS},
             )
-    worker = settings.worker
-    # constructed to read: neither holds nor retries anything here
-    outbox = Outbox(
-        pool, hold_s=worker.outbox_publish_timeout_s, retry_max_s=worker.outbox_retry_max_s
-    )
+    outbox = Outbox.of_worker(pool, settings.worker)  # only read here
     found.outbox_oldest_unsent_s = await found.read("outbox", outbox.oldest_unsent_s())
-    checks = DeferredChecks(pool, retry_s=worker.deferred_check_interval_s)
+    checks = DeferredChecks(pool, retry_s=settings.worker.deferred_check_interval_s)
     found.deferred_checks_pending = await found.read("deferred checks", checks.pending())
     found.pods = await found.read("worker pods", pods.recent(pool))
 

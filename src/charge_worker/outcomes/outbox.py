@@ -32,6 +32,7 @@ import asyncpg
 
 from charge_worker.database import translated
 from charge_worker.declines import GENERIC_DECLINE, decline_class
+from charge_worker.settings import WorkerSettings
 
 # `e.stream_seq IS NULL`, not `e.sent_at IS NULL` (the same rows: a CHECK holds them
 # together): a predicate no partial index matches keeps the probe on the primary key, where
@@ -182,6 +183,14 @@ class Outbox:
         self.pool = pool
         self.retry_max_s = retry_max_s
         self._hold = f"SET LOCAL idle_in_transaction_session_timeout = {math.ceil(hold_s * 1000)}"
+
+    @classmethod
+    def of_worker(cls, pool: asyncpg.Pool, cfg: WorkerSettings) -> Outbox:
+        """The outbox as the worker's settings make it: a batch held for at most two publish
+        timeouts, a failing event tried again within `outbox_retry_max_s`."""
+        return cls(
+            pool, hold_s=2 * cfg.outbox_publish_timeout_s, retry_max_s=cfg.outbox_retry_max_s
+        )
 
     async def relay(
         self,

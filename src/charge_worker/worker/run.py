@@ -121,13 +121,8 @@ async def run_worker(  # noqa: PLR0915 (the wiring: every part, once, in start o
     side_tasks.start(
         "rescoring", rescore_deferred(checks, scoring, metrics, stop, interval_s=interval_s)
     )
-    outbox = Outbox(
-        pool,
-        hold_s=2 * settings.worker.outbox_publish_timeout_s,
-        retry_max_s=settings.worker.outbox_retry_max_s,
-    )
     relay = Relay(
-        outbox,
+        Outbox.of_worker(pool, settings.worker),
         js,
         settings.nats,
         settings.worker,
