@@ -1,5 +1,7 @@
 """Decline codes and their classes: the one table (`docs/contracts/gateway.md`, "Retrying a
-declined renewal") every adapter's codes are read through.
+declined renewal") every adapter's codes are read through. A provider's own reasons keep
+their names (YooKassa's `cancellation_details.reason`, ADR 0008): the names of the two
+vocabularies do not collide, and a code means the same in both where they share it.
 
 A class says what may follow a decline: `soft` (the bank may say yes another day),
 `customer_action` (nothing changes until the customer does something), `hard` (never again
@@ -33,7 +35,29 @@ CLASSES: dict[str, DeclineClass] = {
     "revocation_of_authorization": "hard",
     "restricted_card": "hard",
     "security_violation": "hard",
+    # YooKassa's cancellation reasons (docs/decisions/0008-yookassa-declines.md)
+    "general_decline": "soft",
+    "issuer_unavailable": "soft",
+    "payment_method_limit_exceeded": "soft",
+    "internal_timeout": "soft",
+    "expired_on_capture": "soft",
+    "3d_secure_failed": "customer_action",
+    "call_issuer": "customer_action",
+    "card_expired": "customer_action",
+    "invalid_card_number": "customer_action",
+    "invalid_csc": "customer_action",
+    "identification_required": "customer_action",
+    "expired_on_confirmation": "customer_action",
+    "unsupported_mobile_operator": "customer_action",
+    "fraud_suspected": "hard",
+    "payment_method_restricted": "hard",
+    "permission_revoked": "hard",
+    "country_forbidden": "hard",
+    "canceled_by_merchant": "hard",
+    "payment_expired": "hard",
 }
+# the codes a bank uses to want the customer present (billing e-mails them)
+AUTHENTICATION_CODES = frozenset({"authentication_required", "3d_secure_failed"})
 
 
 def decline_class(code: str | None) -> DeclineClass:

@@ -30,14 +30,14 @@ LEASE_MARGIN_S = 5.0
 # ... and leaves this much for renewing the lease right before that request (one fenced
 # UPDATE); a renewal slower than that sends nothing.
 LEASE_RENEWAL_S = 1.0
-GatewayKind = Literal["contract", "stripe"]
+GatewayKind = Literal["contract", "stripe", "yookassa"]
 SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
 KEY_PREFIX_MAX = 32
 MAX_TRIES = 1000  # of one period: far beyond any schedule, a bound on what a message may ask
 _KEY_PREFIX = re.compile(rf"[A-Za-z0-9_.:-]{{0,{KEY_PREFIX_MAX}}}")
 # The most requests one charge makes, per adapter: Stripe reads the customer's saved card
 # (its invoice default, else a list of its cards) before the PaymentIntent.
-REQUESTS_PER_CHARGE: dict[GatewayKind, int] = {"contract": 1, "stripe": 3}
+REQUESTS_PER_CHARGE: dict[GatewayKind, int] = {"contract": 1, "stripe": 3, "yookassa": 1}
 
 
 def _alias(env: str, field: str) -> Any:

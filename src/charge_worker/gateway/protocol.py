@@ -36,7 +36,7 @@ from charge_worker.settings import GatewayKind
 __all__ = ["Gateway", "GatewayKind", "HistoryOrder", "WebhookScheme"]
 
 HistoryOrder = Literal["oldest_first", "newest_first"]
-WebhookScheme = Literal["standard", "stripe"]
+WebhookScheme = Literal["standard", "stripe", "yookassa"]
 
 
 class Gateway(Protocol):

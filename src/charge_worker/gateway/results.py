@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from charge_worker.declines import AUTHENTICATION_CODES
+
 AUTHENTICATION_REQUIRED = "authentication_required"  # a decline: the bank wants the customer
 CARD_DECLINED = "card_declined"
 ChargeStatus = Literal["succeeded", "declined", "processing"]
@@ -34,8 +36,9 @@ class ChargeResult:
 
 def decline_kind(code: str | None) -> str:
     """What the declines metric counts a decline with `code` as: `authentication_required`
-    (the customer must authenticate: billing e-mails them) or `card_declined` (any other)."""
-    return AUTHENTICATION_REQUIRED if code == AUTHENTICATION_REQUIRED else CARD_DECLINED
+    (the customer must authenticate: billing e-mails them; `declines.AUTHENTICATION_CODES`)
+    or `card_declined` (any other)."""
+    return AUTHENTICATION_REQUIRED if code in AUTHENTICATION_CODES else CARD_DECLINED
 
 
 @dataclass(frozen=True)
