@@ -17,7 +17,8 @@ DeclineClass = Literal["soft", "customer_action", "hard"]
 
 GENERIC_DECLINE = "generic_decline"
 
-CLASSES: dict[str, DeclineClass] = {
+# the card gateways' codes: docs/contracts/gateway.md's table
+CONTRACT_CLASSES: dict[str, DeclineClass] = {
     "insufficient_funds": "soft",
     "try_again_later": "soft",
     "do_not_honor": "soft",
@@ -35,7 +36,10 @@ CLASSES: dict[str, DeclineClass] = {
     "revocation_of_authorization": "hard",
     "restricted_card": "hard",
     "security_violation": "hard",
-    # YooKassa's cancellation reasons (docs/decisions/0008-yookassa-declines.md)
+}
+# YooKassa's `cancellation_details.reason`s: docs/decisions/0008-yookassa-declines.md's table
+YOOKASSA_CLASSES: dict[str, DeclineClass] = {
+    "insufficient_funds": "soft",
     "general_decline": "soft",
     "issuer_unavailable": "soft",
     "payment_method_limit_exceeded": "soft",
@@ -56,6 +60,7 @@ CLASSES: dict[str, DeclineClass] = {
     "canceled_by_merchant": "hard",
     "payment_expired": "hard",
 }
+CLASSES: dict[str, DeclineClass] = CONTRACT_CLASSES | YOOKASSA_CLASSES
 # the codes a bank uses to want the customer present (billing e-mails them)
 AUTHENTICATION_CODES = frozenset({"authentication_required", "3d_secure_failed"})
 
