@@ -27,6 +27,7 @@ FLOOR = {
     "deadline",
     "json_text",
     "declines",
+    "money",
 }
 SHARED = {
     "messages",
