@@ -1,4 +1,5 @@
-"""The one place an adapter is chosen: `GATEWAY_KIND` (`contract`, the default, or `stripe`)."""
+"""The one place an adapter is chosen: `GATEWAY_KIND` (`contract`, the default, `stripe` or
+`yookassa`)."""
 
 from __future__ import annotations
 
@@ -18,4 +19,8 @@ def build_gateway(cfg: GatewaySettings, *, limiter: RateLimiter | None = None) -
         from charge_worker.gateway.stripe import StripeGateway  # noqa: PLC0415
 
         return StripeGateway(cfg, limiter=limiter)
+    if cfg.kind == "yookassa":
+        from charge_worker.gateway.yookassa import YooKassaGateway  # noqa: PLC0415
+
+        return YooKassaGateway(cfg, limiter=limiter)
     return ContractGateway(cfg, limiter=limiter)

@@ -25,7 +25,9 @@ class ChargeResult:
 
     status: ChargeStatus
     charge_id: str | None
-    replayed: bool = False
+    # the provider's first answer to this key, told again; None: the provider never says
+    # (YooKassa replays without a mark)
+    replayed: bool | None = False
     decline_code: str | None = None
 
     @property
@@ -146,7 +148,19 @@ def period_answer(charges: list[GatewayCharge], current_try: int) -> LookedUp | 
 
 @dataclass(frozen=True)
 class HistoryPage:
-    """One page of the gateway's charge history, in the adapter's `history_order`."""
+    """One page of the gateway's charge history, in the adapter's `history_order`.
+
+    `next_after` is what to pass as `starting_after` for the next page: the provider's own
+    cursor when it pages by one (`cursor`: YooKassa's `next_cursor`), else the last charge's
+    id (Stripe, the contract)."""
 
     charges: list[GatewayCharge]
     has_more: bool
+    cursor: str | None = None
+
+    @property
+    def next_after(self) -> str | None:
+        """The next page's `starting_after`; None when there is nothing to page on from."""
+        if self.cursor is not None:
+            return self.cursor
+        return self.charges[-1].id if self.charges else None

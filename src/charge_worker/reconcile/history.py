@@ -92,7 +92,7 @@ async def pages(
             if number % PROGRESS_PAGES == 0 or (last and number > 1):
                 progress(f"reconcile: gateway history page {number}, {read} charges")
             if not last:
-                after, number = page.charges[-1].id, number + 1
+                after, number = page.next_after, number + 1
                 asked = asyncio.create_task(fetch(number, after))
             yield page.charges
             if last:

@@ -1,0 +1,273 @@
+"""The `yookassa` adapter: autopayments with a saved payment method, as YooKassa's API v3
+documents them, over the project's own HTTP client (docs/adapters.md says why not the
+official SDK).
+
+| call       | YooKassa                                                                  |
+|------------|---------------------------------------------------------------------------|
+| `charge`   | `POST /v3/payments` with `amount` (`{"value": "990.00", "currency"}`),    |
+|            | `capture: true`, `payment_method_id` (the subscription's `customer_id`),  |
+|            | `metadata` `order_id`, `billing_period` (`attempt` for a try n >= 2) and  |
+|            | the try's key as `Idempotence-Key`                                        |
+| `lookup`   | `GET /v3/payments?created_at.gte=<period - 31 days>`, every page, matched |
+|            | on the metadata (every try's payments of the period): YooKassa has no     |
+|            | search by metadata; a list is read-your-writes                            |
+| `history`  | `GET /v3/payments?created_at.gte=…&created_at.lt=…&cursor=…`, newest      |
+|            | first (YooKassa's order); `starting_after` is YooKassa's `next_cursor`    |
+| `refund`   | `GET /v3/payments/{id}` (what is left to refund: "already" when nothing), |
+|            | then `POST /v3/refunds` `payment_id`, `amount` (the rest),                |
+|            | `Idempotence-Key: refund:<payment id>`                                    |
+| `retrieve` | `GET /v3/payments/{id}` (404 `not_found`: None)                           |
+
+Every request carries HTTP Basic auth `<shopId>:<secret key>` (`GATEWAY_API_KEY`), spends
+a token of the fleet's rate and goes through the breaker under the deadline (`Guarded`).
+Every `Idempotence-Key` starts with `CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX` and is at most
+64 characters (YooKassa's limit). How each answer maps: `yookassa_mapping.py`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import re
+from typing import Any
+
+import httpx
+
+from charge_worker import money
+from charge_worker.errors import (
+    DependencyUnavailable,
+    GatewayRejected,
+    OutcomeUnknown,
+    SettingsError,
+)
+from charge_worker.gateway import yookassa_mapping as mapping
+from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent
+from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
+from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
+from charge_worker.http import build_client
+from charge_worker.messages import ChargeDue
+from charge_worker.ratelimit import RateLimiter
+from charge_worker.settings import GatewaySettings, require
+
+YOOKASSA_API = "https://api.yookassa.ru"
+MAX_KEY_LENGTH = 64  # YooKassa's limit on an Idempotence-Key
+# A period's payment is made once it is due: at its first day, or a little before when billed
+# ahead. Lookups list the shop's payments from this long before the period's first day.
+LOOKUP_LEAD = dt.timedelta(days=31)
+LOOKUP_MAX_PAGES = 50  # 5,000 payments since the period: the lookup stops, nothing is known
+# A saved payment method's id, as YooKassa mints them (a UUID) or as a sandbox names them
+PAYMENT_METHOD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+_CREDENTIALS = re.compile(r"([0-9]+):(\S+)", re.ASCII)
+
+
+class YooKassaGateway(Guarded):
+    """One shared client per process; `transport` is for unit tests only."""
+
+    kind: GatewayKind = "yookassa"
+    history_order: HistoryOrder = "newest_first"
+    webhook_scheme: WebhookScheme = "yookassa"
+
+    def __init__(
+        self,
+        cfg: GatewaySettings,
+        *,
+        limiter: RateLimiter | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        credentials = require(
+            cfg.api_key.get_secret_value() if cfg.api_key else "", "GATEWAY_API_KEY"
+        )
+        if not _CREDENTIALS.fullmatch(credentials):
+            raise SettingsError(
+                "GATEWAY_API_KEY: for GATEWAY_KIND=yookassa, <shopId>:<secret key>"
+                " (HTTP Basic auth's pair: digits, a colon, the key)"
+            )
+        super().__init__(cfg, limiter=limiter)
+        token = base64.b64encode(credentials.encode()).decode()
+        self.client = build_client(
+            cfg.url or YOOKASSA_API,
+            timeout_s=cfg.gateway_timeout_s,
+            max_connections=cfg.gateway_max_connections,
+            headers={"Authorization": f"Basic {token}"},
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        """Release the connections."""
+        await self.client.aclose()
+
+    async def charge(
+        self,
+        charge: ChargeDue,
+        *,
+        traceparent: str | None = None,
+        before_send: BeforeSend | None = None,
+    ) -> ChargeResult:
+        """One autopayment per key with the saved method `customer_id` names, captured at
+        once; `before_send` awaited before it. Nothing is sent for a charge YooKassa could
+        not take as asked (`GatewayRejected`): a method id it never mints, a currency ISO
+        4217 does not know, a key over its limit."""
+        if not PAYMENT_METHOD_ID.fullmatch(charge.customer_id):
+            raise GatewayRejected(
+                f"customer_id {charge.customer_id[:80]!r} is no YooKassa payment_method_id"
+                " (1-64 characters of A-Z a-z 0-9 _ -)"
+            )
+        try:
+            value = money.to_decimal_string(charge.amount_minor, charge.currency)
+        except ValueError as error:
+            raise GatewayRejected(f"amount: {error}") from error
+        key = f"{self.key_prefix}{charge.key}"
+        if len(key) > MAX_KEY_LENGTH:
+            raise GatewayRejected(
+                f"Idempotence-Key {key!r} is over YooKassa's {MAX_KEY_LENGTH} characters"
+                " (a shorter CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX?)"
+            )
+        metadata = {
+            "order_id": str(charge.order_id),
+            "billing_period": charge.billing_period.isoformat(),
+        }
+        if charge.attempt > 1:  # try 1 is the request from before retries, unchanged
+            metadata["attempt"] = str(charge.attempt)
+        body = {
+            "amount": {"value": value, "currency": charge.currency},
+            "capture": True,
+            "payment_method_id": charge.customer_id,
+            "description": f"Renewal {charge.order_id} {charge.billing_period.isoformat()}",
+            "metadata": metadata,
+        }
+        headers = {"Idempotence-Key": key}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        payment = await self._json(
+            "POST", "/v3/payments", json=body, headers=headers, before_send=before_send
+        )
+        try:
+            return mapping.charge_result(payment)
+        except mapping.Unreadable as error:
+            raise OutcomeUnknown(str(error)) from error
+
+    async def lookup(
+        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+    ) -> list[GatewayCharge]:
+        """Every payment of this period (every try's), oldest first: the shop's payments
+        created since `LOOKUP_LEAD` before the period, matched on their metadata."""
+        since = dt.datetime.combine(billing_period - LOOKUP_LEAD, dt.time(), dt.UTC)
+        params = {"created_at.gte": mapping.iso(int(since.timestamp())), "limit": "100"}
+        wanted = (str(order_id), billing_period.isoformat())
+        found: list[GatewayCharge] = []
+        for _ in range(LOOKUP_MAX_PAGES):
+            page = await self._page(params)
+            found += [c for c in page.charges if (c.order_id, c.billing_period) == wanted]
+            if not page.has_more or page.cursor is None:
+                return found[::-1]
+            params["cursor"] = page.cursor
+        raise OutcomeUnknown(
+            f"the shop has over {LOOKUP_MAX_PAGES * 100} payments since {since.date()}:"
+            f" the lookup of {order_id}:{billing_period} stopped"
+        )
+
+    async def history(
+        self,
+        *,
+        created_gte: int,
+        created_lt: int,
+        starting_after: str | None = None,
+        limit: int = 100,
+    ) -> HistoryPage:
+        """One page of payments created in the window, newest first; `starting_after` is
+        the page before's `next_after` (YooKassa's cursor)."""
+        params = {
+            "created_at.gte": mapping.iso(created_gte),
+            "created_at.lt": mapping.iso(created_lt),
+            "limit": str(limit),
+        }
+        if starting_after:
+            params["cursor"] = starting_after
+        return await self._page(params)
+
+    async def refund(self, charge_id: str, *, reason: str = "duplicate") -> str:
+        """Refund a payment in full: what is left of it ("already" when nothing is)."""
+        payment = await self.retrieve(charge_id)
+        if payment is None:
+            raise GatewayRejected(f"YooKassa has no payment {charge_id}")
+        if payment.refunded:
+            return "already"
+        if not payment.charged:
+            raise GatewayRejected(f"YooKassa payment {charge_id} is {payment.status}: no refund")
+        rest = money.to_decimal_string(payment.amount - payment.amount_refunded, payment.currency)
+        refund = await self._json(
+            "POST",
+            "/v3/refunds",
+            json={
+                "payment_id": charge_id,
+                "amount": {"value": rest, "currency": payment.currency},
+                "description": reason,
+            },
+            headers={"Idempotence-Key": f"{self.key_prefix}refund:{charge_id}"},
+        )
+        return str(refund.get("id") or "")
+
+    async def retrieve(self, charge_id: str) -> GatewayCharge | None:
+        """The payment as YooKassa holds it now (None: no such payment)."""
+        payment = await self._json("GET", f"/v3/payments/{charge_id}", absent_ok=True)
+        if not payment:
+            return None
+        try:
+            return mapping.gateway_charge(payment)
+        except mapping.Unreadable as error:
+            raise OutcomeUnknown(str(error)) from error
+
+    async def probe(self) -> bool:
+        """A cheap read that lets an open breaker close again without spending a charge."""
+        try:
+            await self.history(created_gte=0, created_lt=1, limit=1)
+        except (DependencyUnavailable, OutcomeUnknown):
+            return False
+        return True
+
+    async def _page(self, params: dict[str, str]) -> HistoryPage:
+        data = await self._json("GET", "/v3/payments", params=params)
+        try:
+            charges = [mapping.gateway_charge(item) for item in data["items"]]
+        except (KeyError, TypeError, mapping.Unreadable) as error:
+            raise OutcomeUnknown(f"unreadable YooKassa payment list: {error!r}") from error
+        cursor = data.get("next_cursor")
+        cursor = str(cursor) if cursor else None
+        return HistoryPage(charges, cursor is not None, cursor=cursor)
+
+    async def _json(
+        self,
+        method: str,
+        path: str,
+        *,
+        absent_ok: bool = False,
+        before_send: BeforeSend | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The 200 answer's JSON object; `{}` for YooKassa's own 404 when `absent_ok`; the
+        domain error of any other answer, raised inside the breaker."""
+        named = path.startswith("/v3/payments/")
+        what = f"{method} /v3/payments/{{id}}" if named else f"{method} {path}"
+
+        async def request() -> dict[str, Any]:
+            try:
+                response = await self.client.request(method, path, **kwargs)
+            except httpx.TransportError as error:
+                if never_sent(error):
+                    raise DependencyUnavailable(f"YooKassa unreachable: {error}") from error
+                raise OutcomeUnknown(f"YooKassa {what}: {error!r}") from error
+            except httpx.HTTPError as error:
+                raise OutcomeUnknown(f"YooKassa {what}: {error!r}") from error
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if response.status_code == 200:
+                if not isinstance(body, dict):
+                    raise OutcomeUnknown(f"YooKassa {what} answered 200 with no JSON object")
+                return body
+            if absent_ok and mapping.not_found(response.status_code, body):
+                return {}  # an answer about the object: no breaker count
+            raise mapping.domain_error(response.status_code, body, response.headers)
+
+        return await self.guarded(what, request, before_send=before_send)
