@@ -1,12 +1,14 @@
 """Whose card the gateway simulator declines, on which try, with which decline code: the
-customer-id conventions both flavours share, and the `succeeds_on_try` knob.
+customer-id conventions every flavour shares, and the `succeeds_on_try` knob.
 
 | customer                                   | its charge                                    |
 |--------------------------------------------|-----------------------------------------------|
 | in `succeeds_on_try` (`{customer: k}`)     | declined `insufficient_funds` on tries < k,   |
 |                                            | charged from try k on                         |
-| `cus_decline…`                             | declined `generic_decline`                    |
+| `cus_decline…`                             | declined `generic_decline` (YooKassa:         |
+|                                            | `general_decline`)                            |
 | `cus_auth…`                                | declined `authentication_required`            |
+|                                            | (YooKassa: `3d_secure_failed`)                |
 | `cus_code_<code>…`                         | declined `<code>`: the longest code of        |
 |                                            | `declines.CLASSES` after the prefix (followed |
 |                                            | by `_` or the end), else the rest of the id   |
@@ -16,13 +18,16 @@ customer-id conventions both flavours share, and the `succeeds_on_try` knob.
 
 A try is the charge's `metadata.attempt` (absent: 1), read as the worker's adapters read it
 (`gateway.results.try_of`). The decline code is the bank's reason (the contract's
-`decline_code`); each flavour puts it on its wire (`app.py`, `stripe_wire.py`).
+`decline_code`, YooKassa's `cancellation_details.reason`); each flavour puts it on its wire
+(`app.py`, `stripe_wire.py`, `yookassa_wire.py`) and names the two prefix declines in its own
+vocabulary (`Vocabulary`: `STRIPE`, `YOOKASSA`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from charge_worker.declines import CLASSES, GENERIC_DECLINE
 from charge_worker.gateway.results import try_of
@@ -36,6 +41,18 @@ AUTHENTICATION_REQUIRED = "authentication_required"
 _SOFT_UNTIL = re.compile(rf"{SOFT_PREFIX}(\d+)")
 # longest first: `cus_code_do_not_honor_1` is `do_not_honor`, never a shorter code
 _CODES = sorted(CLASSES, key=len, reverse=True)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A flavour's names for the decline of `cus_decline…` and of `cus_auth…`."""
+
+    generic: str
+    authentication: str
+
+
+STRIPE = Vocabulary(GENERIC_DECLINE, AUTHENTICATION_REQUIRED)  # and the contract's
+YOOKASSA = Vocabulary("general_decline", "3d_secure_failed")
 MESSAGES = {
     GENERIC_DECLINE: "Your card was declined.",
     AUTHENTICATION_REQUIRED: "Your card was declined. This transaction requires authentication.",
@@ -51,6 +68,7 @@ def decline_code(
     metadata: Mapping[str, str] | None = None,
     *,
     succeeds_on_try: Mapping[str, int] | None = None,
+    vocabulary: Vocabulary = STRIPE,
 ) -> str | None:
     """The decline code this customer's charge gets on the try its `metadata` names, or
     None: charged."""
@@ -58,9 +76,9 @@ def decline_code(
     if succeeds_on_try and customer in succeeds_on_try:
         return SOFT_DECLINE if attempt < succeeds_on_try[customer] else None
     if customer.startswith(DECLINE_PREFIX):
-        return GENERIC_DECLINE
+        return vocabulary.generic
     if customer.startswith(AUTH_PREFIX):
-        return AUTHENTICATION_REQUIRED
+        return vocabulary.authentication
     if customer.startswith(CODE_PREFIX):
         return _code(customer.removeprefix(CODE_PREFIX))
     if customer.startswith(SOFT_PREFIX):
