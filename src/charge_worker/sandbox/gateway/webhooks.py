@@ -5,7 +5,10 @@ Every change of a charge object becomes an event `{"id": "evt_…", "type", "cre
 `webhook_secret` per Standard Webhooks (`webhook-id` is the event id, the same on every
 attempt and copy). The Stripe flavour sends Stripe's envelope (`"object": "event"`,
 `api_version`) with its object (a PaymentIntent, a Charge, a Dispute: no revision), signed
-`Stripe-Signature: t=<now>,v1=<hex HMAC-SHA256 of "t.body">` with the secret as is.
+`Stripe-Signature: t=<now>,v1=<hex HMAC-SHA256 of "t.body">` with the secret as is. The
+YooKassa flavour sends YooKassa's notification `{"type": "notification", "event", "object"}`
+(a payment, or a refund for `refund.*`), unsigned (YooKassa's are authenticated by their
+source address only), and retries anything but a `200`, over 24 h by default.
 A delivery that gets no 2xx within `webhook_timeout_s` is tried again after
 each step of `webhook_retry_schedule_s` (the contract's: at once, 30 s, 3 min, then growing
 gaps up to 3 days), each step times `webhook_time_scale`, so tests run the schedule in moments.
@@ -39,6 +42,8 @@ from charge_worker.webhooks.signature import signed_headers, stripe_signature
 STRIPE_API_VERSION = "2026-10-28.endive"  # stripe-python 16's pinned version
 # again at once, 30 s, 3 min, then growing gaps: 246 810 s in all, within the 3 days
 CONTRACT_RETRY_SCHEDULE_S = (0.0, 30.0, 180.0, 1800.0, 7200.0, 21600.0, 43200.0, 86400.0, 86400.0)
+# YooKassa retries for 24 h; its gaps are not published: growing ones, 85 860 s in all
+YOOKASSA_RETRY_SCHEDULE_S = (60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0, 28800.0)
 
 
 class WebhookKnobs(Protocol):
@@ -82,7 +87,8 @@ class Delivery:
 
 
 class WebhookDelivery:
-    """Publishes charge changes as signed webhooks (the simulator's `ChargeEvents`)."""
+    """Publishes charge changes as webhooks, signed as the flavour signs them (the
+    simulator's `ChargeEvents`)."""
 
     def __init__(self, knobs: Callable[[], WebhookKnobs]) -> None:
         self.knobs = knobs
@@ -125,6 +131,8 @@ class WebhookDelivery:
         }
         if knobs.flavour == "stripe":  # Stripe's event envelope
             event |= {"object": "event", "api_version": STRIPE_API_VERSION, "livemode": False}
+        elif knobs.flavour == "yookassa":  # no id: the event id only names the delivery here
+            event = {"type": "notification", "event": event_type, "object": snapshot}
         body = json.dumps(event).encode()
         object_id = object_id or snapshot["id"]
         revision = revision if revision is not None else snapshot["revision"]
@@ -185,7 +193,7 @@ class WebhookDelivery:
                     break
                 answer = await _attempt(client, knobs, delivery.event_id, body)
                 delivery.attempts.append(answer)
-                if isinstance(answer, int) and 200 <= answer < 300:
+                if answer in ((200,) if knobs.flavour == "yookassa" else range(200, 300)):
                     delivery.delivered = True
                     return
         delivery.gave_up = True
@@ -199,7 +207,7 @@ async def _attempt(
     headers = {"content-type": "application/json"}
     if knobs.flavour == "stripe":
         headers["Stripe-Signature"] = stripe_signature(knobs.webhook_secret, body)
-    else:
+    elif knobs.flavour != "yookassa":  # YooKassa signs nothing
         headers |= signed_headers(knobs.webhook_secret, event_id, body)
     try:
         async with asyncio.timeout(knobs.webhook_timeout_s):  # httpx's timeout is per phase
