@@ -1,7 +1,10 @@
 """A payment gateway simulator implementing `docs/contracts/gateway.md`, webhooks included.
 
 `build_gateway_app(GatewayConfig(...))` returns a Starlette app; its state is the
-`GatewaySimulator` at `app.state.sim`, in memory only.
+`GatewaySimulator` at `app.state.sim`, in memory only. `GatewayConfig(flavour=...)` picks
+the wire format: `"contract"` (this module, described below), `"stripe"` (Stripe's subset,
+`stripe.py`) or `"yookassa"` (YooKassa's API v3 subset, `yookassa.py`); the flavours share
+the knobs, faults, decline conventions (`cards.py`), `/_sim/*` routes and webhook delivery.
 
 Rules:
 
@@ -30,7 +33,8 @@ Rules:
 
 Knobs (`GatewayConfig`, in `config.py`; also `POST /_sim/config` at runtime):
 
-* `api_key` (`sk_test_sandbox`); `seed` (`None`: random);
+* `api_key` (`sk_test_sandbox`; YooKassa flavour: `100500:test_sandbox`); `seed` (`None`:
+  random);
 * `latency`: a `LatencyModel` (default 0 s) for every `/v1` request; for a charge it is the
   time the key stays in progress; `endpoint_latency` (`{"GET /v1/charges": model}`, the
   names of `/_sim/stats`): an endpoint's own, instead;
@@ -355,8 +359,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 
     def _guard(self, request: Request) -> Response | None:
         """Auth, then an injected error, if either stops the request here."""
-        expected = f"Bearer {self.config.api_key}".encode()
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+        if not self.authorized(request):
             return self.unauthorized()
         if not self._within_rate():
             self.rate_limited += 1
@@ -367,7 +370,16 @@ class GatewaySimulator(Simulator[GatewayConfig]):
         self.injected_errors += 1
         return self.too_many() if status == 429 else self.injected(status)
 
-    # The wire format's answers to what the simulator refuses; a flavour overrides them.
+    # The wire format's auth and answers to what the simulator refuses; a flavour overrides them.
+
+    def authorized(self, request: Request) -> bool:
+        """The request carries `Authorization: Bearer <api_key>`."""
+        expected = f"Bearer {self.config.api_key}".encode()
+        return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
+
+    def replay(self, response: StoredResponse) -> Response:
+        """A repeated key's original answer, marked `Idempotent-Replayed: true`."""
+        return answer(response, replayed=True)
 
     def unauthorized(self) -> Response:
         """A missing or wrong API key."""
@@ -458,7 +470,7 @@ class GatewaySimulator(Simulator[GatewayConfig]):
             )
             match claim:
                 case Replay(response):
-                    return answer(response, replayed=True)
+                    return self.replay(response)
                 case InProgress():
                     return self.in_progress()
                 case KeyReused():
@@ -533,12 +545,17 @@ class GatewaySimulator(Simulator[GatewayConfig]):
 
 def build_gateway_app(config: GatewayConfig | None = None) -> Starlette:
     """The gateway simulator as an ASGI app, in the configured flavour (docs/contracts/gateway.md,
-    or Stripe's: `stripe.py`); its `GatewaySimulator` is `app.state.sim`."""
+    or Stripe's: `stripe.py`, or YooKassa's: `yookassa.py`); its `GatewaySimulator` is
+    `app.state.sim`."""
     config = config or GatewayConfig()
     if config.flavour == "stripe":
         from charge_worker.sandbox.gateway.stripe import StripeSimulator  # noqa: PLC0415
 
         sim: GatewaySimulator = StripeSimulator(config)
+    elif config.flavour == "yookassa":
+        from charge_worker.sandbox.gateway.yookassa import YooKassaSimulator  # noqa: PLC0415
+
+        sim = YooKassaSimulator(config)
     else:
         sim = GatewaySimulator(config)
 
