@@ -264,6 +264,26 @@ class WebhookSettings(_EnvGroup):
     webhook_body_timeout_s: float = Field(5.0, gt=0, le=60.0)
     webhook_keep_alive_s: int = Field(5, ge=1, le=600)
     webhook_max_connections: int = Field(100, ge=2, le=10_000)
+    # unsigned notifications (GATEWAY_KIND=yookassa) are taken only from these: by default
+    # the networks YooKassa publishes for its notifications
+    webhook_source_networks: Annotated[
+        tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], NoDecode
+    ] = tuple(
+        ipaddress.ip_network(network)
+        for network in (
+            "185.71.76.0/27",
+            "185.71.77.0/27",
+            "77.75.153.0/25",
+            "77.75.156.11/32",
+            "77.75.156.35/32",
+            "77.75.154.128/25",
+            "2a02:5180::/32",
+        )
+    )
+    # the ingress in front: a delivery from one of these is from the address it forwarded
+    webhook_trusted_proxies: Annotated[
+        tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], NoDecode
+    ] = ()
 
     @field_validator("webhook_secrets", mode="before")
     @classmethod
@@ -271,6 +291,32 @@ class WebhookSettings(_EnvGroup):
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @field_validator("webhook_source_networks", "webhook_trusted_proxies", mode="before")
+    @classmethod
+    def _networks(cls, value: object) -> object:
+        """Comma-separated CIDR networks or single addresses (a /32 or /128), host bits
+        clear: `10.0.0.1/8` is refused as a likely typo."""
+        parts = value.split(",") if isinstance(value, str) else value
+        if not isinstance(parts, list | tuple):
+            return value
+        networks = []
+        for part in parts:
+            if not isinstance(part, str):
+                networks.append(part)
+                continue
+            if not part.strip():
+                continue
+            text = part.strip()
+            try:
+                networks.append(ipaddress.ip_network(text))
+            except ValueError as error:
+                try:
+                    loose = ipaddress.ip_network(text, strict=False)
+                except ValueError:
+                    raise ValueError(f"{text!r} is not an IP address or CIDR network") from error
+                raise ValueError(f"{text!r} has host bits set (the network is {loose})") from error
+        return tuple(networks)
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")

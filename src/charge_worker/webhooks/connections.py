@@ -80,6 +80,9 @@ def server(app: Starlette, cfg: WebhookSettings, *, on_slow: Callable[[], None])
         http=Deadlines,
         limit_concurrency=cfg.webhook_max_connections,
         timeout_keep_alive=cfg.webhook_keep_alive_s,
+        # the peer stays the TCP peer (uvicorn would take X-Forwarded-For from a loopback
+        # peer): `sources.py` decides whom to believe, by CHARGE_WORKER_WEBHOOK_TRUSTED_PROXIES
+        proxy_headers=False,
         log_level="warning",
         access_log=False,
         lifespan="off",

@@ -13,11 +13,12 @@ charge is looked up at the gateway and what the gateway says is applied, or the 
 `needs_review`. An event whose processing keeps failing (database errors, a bug) goes to
 `needs_review` after `give_up_tries`.
 
-Events of providers whose webhooks carry no revision (`webhook_scheme == "stripe"`) are
-applied from the object as the adapter re-fetches it (Stripe's own advice), so their order
-never matters: the fetched state is the provider's now, and its revision is the moment of
-the fetch (microseconds, by the database's clock, read just before it), so a fetch older
-than the one applied last is stale.
+Events of providers whose webhooks carry no revision (`REFETCHED`: Stripe, YooKassa) are
+applied from the object as the adapter re-fetches it (Stripe's own advice; YooKassa's, whose
+notifications are not signed), so their order never matters: the fetched state is the
+provider's now, and its revision is the moment of the fetch (microseconds, by the database's
+clock, read just before it), so a fetch older than the one applied last is stale. The ledger
+key it is applied to is the fetched object's metadata too, never the event's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from charge_worker.webhooks.rules import Apply, Decision, Review, Wait, state_of
 
 log = structlog.get_logger(__name__)
 LEASE_USE = 0.8  # of a batch's lease, before the rest of the batch is handed back
+# schemes whose events carry no revision: their object is re-fetched (`retrieve`)
+REFETCHED: frozenset[WebhookScheme] = frozenset({"stripe", "yookassa"})
 
 
 class ChargeLookup(Protocol):
@@ -48,7 +51,8 @@ class ChargeLookup(Protocol):
 
     @property
     def webhook_scheme(self) -> WebhookScheme:
-        """`stripe`: events carry no revision, their object is re-fetched (`retrieve`)."""
+        """`stripe`, `yookassa`: events carry no revision, their object is re-fetched
+        (`retrieve`)."""
 
     async def lookup(
         self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
@@ -166,7 +170,7 @@ class Processor:
     async def _process(self, job: Job) -> None:
         try:
             fetched: GatewayCharge | None = None
-            if self.gateway.webhook_scheme == "stripe":
+            if self.gateway.webhook_scheme in REFETCHED:
                 # decided first: under a worker's live lease nothing fetched would change
                 # the wait, and each try would be a request against the account's limit
                 revision = await self.inbox.revision_or_wait(
@@ -284,11 +288,11 @@ class Processor:
 
 def refetched(job: Job, charge: GatewayCharge, *, revision: int) -> Job:
     """The job as the re-fetched object says: its state and refund, its try and decline
-    code, its key from the metadata when the event had none, and `revision`, the fetch's
-    moment by the database's clock (`Inbox.revision_or_wait`: never a pod's, which may run
-    ahead)."""
-    key = job.key
-    if key is None and charge.order_id and charge.order_id.isdigit() and charge.billing_period:
+    code, its key from its metadata (none when it has none: whatever the event said, since
+    an unsigned one may say anything), and `revision`, the fetch's moment by the database's
+    clock (`Inbox.revision_or_wait`: never a pod's, which may run ahead)."""
+    key: tuple[int, dt.date] | None = None
+    if charge.order_id and charge.order_id.isdigit() and charge.billing_period:
         with contextlib.suppress(ValueError):
             key = int(charge.order_id), dt.date.fromisoformat(charge.billing_period)
     order_id, period = key if key is not None else (None, None)

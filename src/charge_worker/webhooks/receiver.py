@@ -25,6 +25,14 @@ ledger has no use for, and a Charge or Dispute naming no PaymentIntent, are answ
 not journaled (`ignored`); a PaymentIntent without our `order_id`/`billing_period` metadata
 (Checkout, Billing, another integration) is journaled `ignored`, final at once: answered 200,
 never retried, never reviewed.
+
+The `yookassa` scheme (`GATEWAY_KIND=yookassa`) has no signature: a delivery is taken only
+from YooKassa's networks (`sources.SourceCheck`, checked first: `403` outside them, nothing
+read), and its body only names the payment to re-fetch, as for Stripe. A notification has no
+id of its own: it is journaled as `<event>:<object id>`, so a duplicate delivery of one
+event about one object is one row; a refund's under its `payment_id`
+(`YOOKASSA_EVENT_TYPES`). Other events (`payment.waiting_for_capture`: we always capture)
+are answered 200 and not journaled; a payment without our metadata is journaled `ignored`.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import asyncio
 import datetime as dt
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
@@ -51,6 +59,7 @@ from charge_worker.errors import (
 from charge_worker.webhooks.inbox import Entry, Inbox
 from charge_worker.webhooks.metrics import WebhookMetrics
 from charge_worker.webhooks.signature import Scheme, StripeVerifier, Verifier
+from charge_worker.webhooks.sources import ForeignSource, SourceCheck
 
 log = structlog.get_logger(__name__)
 JOURNAL_BUDGET_S = 3.0  # the gateway gives up on an answer after 5 s
@@ -63,7 +72,15 @@ STRIPE_EVENT_TYPES = {
     "charge.refunded": "charge.refunded",
     "charge.dispute.created": "charge.dispute_created",
 }
-STRIPE_REVISION = 1  # journaled; the processor applies the re-fetched object at its own
+# journaled for events of objects the processor re-fetches (Stripe, YooKassa); it applies
+# the fetched object at the fetch's own revision
+STRIPE_REVISION = 1
+# YooKassa's notification events the ledger uses -> the journal's (`rules.EVENT_TYPES`)
+YOOKASSA_EVENT_TYPES = {
+    "payment.succeeded": "charge.succeeded",
+    "payment.canceled": "charge.failed",
+    "refund.succeeded": "charge.refunded",
+}
 
 
 class _Model(BaseModel):
@@ -153,6 +170,62 @@ def parse_stripe_event(body: bytes) -> StripeEvent:
         raise MalformedDelivery(f"not a Stripe event: {where}: {first['msg']}") from error
 
 
+class YooKassaObject(_Model):
+    """A notification's object: a payment, or a refund naming its payment (`payment_id`)."""
+
+    id: Id
+    payment_id: Id | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class YooKassaNotification(_Model):
+    """A YooKassa notification body (`"type": "notification"`); it carries no id."""
+
+    type: Literal["notification"]
+    event: Annotated[str, Field(min_length=1, max_length=100)]
+    object: YooKassaObject
+
+
+def parse_notification(body: bytes) -> YooKassaNotification:
+    """The notification, or `MalformedDelivery` saying what is wrong (no body text in it)."""
+    try:
+        return YooKassaNotification.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise MalformedDelivery(f"not a YooKassa notification: {where}: {first['msg']}") from error
+
+
+def _yookassa_entry(source: str, body: bytes) -> Entry | None:
+    """The journal row of a notification from YooKassa's networks; None for an event the
+    ledger does not use. Only the object's id (a refund's `payment_id`) and, for the
+    `ignored` decision, a payment's metadata are read: the processor re-fetches the rest."""
+    notification = parse_notification(body)
+    kind = YOOKASSA_EVENT_TYPES.get(notification.event)
+    if kind is None:
+        return None
+    found = notification.object
+    refund = notification.event.startswith("refund.")
+    payment = found.payment_id if refund else found.id
+    if payment is None:
+        raise MalformedDelivery(f"{notification.event} names no payment_id")
+    # a refund's metadata is not the payment's: the re-fetched payment says whose it is
+    order_id, period = (None, None) if refund else _key_of(found.metadata)
+    event_id = f"{notification.event}:{found.id}"[:255]
+    return Entry(
+        source,
+        event_id,
+        event_id,
+        kind,
+        payment,
+        STRIPE_REVISION,
+        order_id,
+        period,
+        body.decode(),
+        "ignored" if not refund and order_id is None else "received",
+    )
+
+
 def _key_of(metadata: dict[str, Any]) -> tuple[int | None, dt.date | None]:
     """`metadata[order_id]` and `metadata[billing_period]`; (None, None) unless both read."""
     order_id, period = metadata.get("order_id"), metadata.get("billing_period")
@@ -165,9 +238,11 @@ def _key_of(metadata: dict[str, Any]) -> tuple[int | None, dt.date | None]:
 
 
 def journal_entry(source: str, scheme: Scheme, body: bytes, message_id: str) -> Entry | None:
-    """The journal row of a verified body; None for a Stripe event the ledger does not use
-    (its type, or a charge naming no intent). `MalformedDelivery` when the body is no event
-    of the scheme."""
+    """The journal row of a verified body; None for a Stripe or YooKassa event the ledger
+    does not use (its type, or a charge naming no intent). `MalformedDelivery` when the body
+    is no event of the scheme."""
+    if scheme == "yookassa":
+        return _yookassa_entry(source, body)
     if scheme == "stripe":
         stripe_event = parse_stripe_event(body)
         kind = STRIPE_EVENT_TYPES.get(stripe_event.type)
@@ -231,31 +306,55 @@ async def read_limited(request: Request, max_bytes: int, timeout_s: float) -> by
     return b"".join(chunks)
 
 
+async def read_verified(
+    request: Request,
+    verifier: Verifier | StripeVerifier | None,
+    max_bytes: int,
+    timeout_s: float,
+) -> tuple[bytes, str]:
+    """The body and its signed message id: the signature headers and their time checked
+    before the body is read, the signature after. Unsigned (`verifier=None`): the body, ""."""
+    if verifier is None:
+        return await read_limited(request, max_bytes, timeout_s), ""
+    signed = verifier.read_headers(request.headers)
+    verifier.check_time(signed)
+    body = await read_limited(request, max_bytes, timeout_s)
+    verifier.verify(body, signed)
+    return body, signed.message_id
+
+
 def receiver(
     *,
     source: str,
-    verifier: Verifier | StripeVerifier,
+    verifier: Verifier | StripeVerifier | None,
     inbox: Inbox,
     scheme: Scheme = "standard",
+    sources: SourceCheck | None = None,
     metrics: WebhookMetrics,
     max_bytes: int,
     body_timeout_s: float,
     on_journaled: Callable[[], None] = lambda: None,
 ) -> Callable[[Request], Awaitable[Response]]:
-    """The endpoint for one source's webhooks."""
+    """The endpoint for one source's webhooks: signed ones checked by `verifier`, unsigned
+    ones (`verifier=None`) by where they come from (`sources`)."""
+    assert verifier is not None or sources is not None, "an endpoint that admits anyone"
 
     @tracing.served("POST", f"/webhooks/{source}")
     async def receive(request: Request) -> Response:
         started = time.perf_counter()
         message_id = request.headers.get("webhook-id", "")[:255]
+        sender: dict[str, str] = {}
         try:
+            if sources is not None:  # before anything is read
+                peer = request.client.host if request.client else None
+                found = sources.check(peer, request.headers.getlist("x-forwarded-for"))
+                sender = {"address": found.text}
             check_length(request, max_bytes)
-            signed = verifier.read_headers(request.headers)
-            verifier.check_time(signed)
-            body = await read_limited(request, max_bytes, body_timeout_s)
-            verifier.verify(body, signed)
-            entry = journal_entry(source, scheme, body, signed.message_id)
+            body, signed_id = await read_verified(request, verifier, max_bytes, body_timeout_s)
+            entry = journal_entry(source, scheme, body, signed_id)
         except DeliveryRejected as rejected:
+            if isinstance(rejected, ForeignSource):
+                sender = {"address": rejected.source.text}
             metrics.deliveries.labels(source, rejected.result).inc()
             log.info(
                 "webhook.rejected",
@@ -263,6 +362,7 @@ def receiver(
                 message_id=message_id,
                 status=rejected.status_code,
                 reason=str(rejected),
+                **sender,
             )
             return JSONResponse({"error": str(rejected)}, status_code=rejected.status_code)
         if tracing.enabled() and entry is not None:
@@ -272,7 +372,7 @@ def receiver(
                     "charge_worker.charge_id": entry.object_id,
                 }
             )
-        if entry is None:  # a Stripe event about nothing the ledger records
+        if entry is None:  # a Stripe or YooKassa event about nothing the ledger records
             metrics.deliveries.labels(source, "ignored").inc()
             return JSONResponse({"received": None, "ignored": True})
         try:
@@ -315,6 +415,7 @@ def receiver(
             revision=entry.revision,
             duplicate=not new,
             ignored=ignored,
+            **sender,
         )
         answer: dict[str, object] = {"received": entry.event_id, "duplicate": not new}
         return JSONResponse(answer | ({"ignored": True} if ignored else {}))

@@ -38,7 +38,8 @@ from charge_worker.webhooks.inbox import Inbox
 from charge_worker.webhooks.metrics import WebhookMetrics
 from charge_worker.webhooks.processor import Processor, ProcessorTuning
 from charge_worker.webhooks.receiver import receiver
-from charge_worker.webhooks.signature import Scheme, verifier_for
+from charge_worker.webhooks.signature import SCHEME_OF, verifier_for
+from charge_worker.webhooks.sources import SourceCheck
 
 log = structlog.get_logger(__name__)
 SOURCE = "gateway"
@@ -71,9 +72,11 @@ async def run_webhooks(
 ) -> None:
     """Receive and process webhooks until `stop` is set."""
     cfg = settings.webhooks
-    # the adapter's provider signs its way: Standard Webhooks, or Stripe-Signature
-    scheme: Scheme = "stripe" if settings.gateway.kind == "stripe" else "standard"
-    verifier = verifier_for(scheme, cfg)  # no secret, no start
+    # the adapter's provider signs its way (Standard Webhooks, Stripe-Signature), or does
+    # not sign and is known by its networks (YooKassa)
+    scheme = SCHEME_OF[settings.gateway.kind]
+    verifier = verifier_for(scheme, cfg)  # a signing scheme without a secret does not start
+    sources = SourceCheck.from_settings(cfg) if scheme == "yookassa" else None
     owner = event_loop.process_name()
     metrics = WebhookMetrics(registry or CollectorRegistry(), source=SOURCE)
     async with contextlib.AsyncExitStack() as resources:
@@ -101,6 +104,7 @@ async def run_webhooks(
             source=SOURCE,
             verifier=verifier,
             scheme=scheme,
+            sources=sources,
             inbox=Inbox(receiver_pool),
             metrics=metrics,
             max_bytes=cfg.webhook_max_bytes,

@@ -5,6 +5,7 @@
 | `standard` | `webhook-id`, `webhook-timestamp`,                 | `whsec_<base64>`,   |
 |            | `webhook-signature: v1,<base64 HMAC of id.t.body>` | the decoded bytes   |
 | `stripe`   | `Stripe-Signature: t=<unix>,v1=<hex HMAC of t.body>` | `whsec_…` as is   |
+| `yookassa` | none: not signed (its source address is checked, `sources.py`) | none      |
 
 Standard Webhooks (docs/contracts/gateway.md):
 
@@ -37,7 +38,7 @@ import stripe
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from charge_worker.errors import MalformedDelivery, SettingsError, UnauthenticDelivery
-from charge_worker.settings import WebhookSettings
+from charge_worker.settings import GatewayKind, WebhookSettings
 
 LIBRARY_TOLERANCE_S = 300.0  # standardwebhooks 1.1 checks this itself
 MAX_SIGNATURES = 16
@@ -187,7 +188,13 @@ def signed_headers(
 STRIPE_HEADER = "stripe-signature"
 _STRIPE_PART = re.compile(r"([a-z0-9]+)=([^,=]*)")
 _HEX_SIGNATURE = re.compile(r"[0-9a-f]{64}")
-Scheme = Literal["standard", "stripe"]
+Scheme = Literal["standard", "stripe", "yookassa"]
+# the adapter's provider delivers its way: Standard Webhooks, Stripe-Signature, or unsigned
+SCHEME_OF: dict[GatewayKind, Scheme] = {
+    "contract": "standard",
+    "stripe": "stripe",
+    "yookassa": "yookassa",
+}
 
 
 class Signed(Protocol):
@@ -285,8 +292,11 @@ def stripe_signature(secret: str, body: bytes, *, timestamp: int | None = None) 
     return header
 
 
-def verifier_for(scheme: Scheme, cfg: WebhookSettings) -> Verifier | StripeVerifier:
-    """The verifier of `scheme` for the configured secrets and tolerance."""
+def verifier_for(scheme: Scheme, cfg: WebhookSettings) -> Verifier | StripeVerifier | None:
+    """The verifier of `scheme` for the configured secrets and tolerance; None for a scheme
+    that does not sign (`yookassa`: no secret needed)."""
+    if scheme == "yookassa":
+        return None
     if scheme == "stripe":
         secrets = [secret.get_secret_value() for secret in cfg.webhook_secrets]
         return StripeVerifier(secrets, tolerance_s=cfg.webhook_tolerance_s)
