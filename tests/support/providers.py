@@ -2,8 +2,9 @@
 format: what the conformance suite, the integration tests and the chaos suite share.
 
 `flavour` is the simulator's wire format (`contract`: docs/contracts/gateway.md; `stripe`:
-Stripe's subset), which is also the `GATEWAY_KIND` whose adapter speaks it. The simulator
-injects the faults (`configure`): lost answers, 5xx, 429, latency, idempotency off.
+Stripe's subset; `yookassa`: YooKassa's API v3 subset), which is also the `GATEWAY_KIND`
+whose adapter speaks it. The simulator injects the faults (`configure`): lost answers, 5xx,
+429, latency, idempotency off.
 """
 
 from __future__ import annotations
@@ -23,9 +24,39 @@ from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import GatewaySettings
 
-Flavour = Literal["contract", "stripe"]
-FLAVOURS: tuple[Flavour, ...] = ("contract", "stripe")
+Flavour = Literal["contract", "stripe", "yookassa"]
+FLAVOURS: tuple[Flavour, ...] = ("contract", "stripe", "yookassa")
 API_KEY = "sk_test_sandbox"
+# each flavour's sandbox credentials, and a well-formed wrong one
+API_KEYS: dict[Flavour, tuple[str, str]] = {
+    "contract": (API_KEY, "sk_test_wrong"),
+    "stripe": (API_KEY, "sk_test_wrong"),
+    "yookassa": ("100500:test_sandbox", "100500:test_wrong"),
+}
+# the decline cases of the conformance suite: customer -> the code its provider names
+# (`sandbox/gateway/cards.py`), whose class the one table gives (`declines.py`)
+CARD_DECLINES = {
+    "cus_code_insufficient_funds_1": "insufficient_funds",
+    "cus_code_do_not_honor_1": "do_not_honor",
+    "cus_decline_1": "generic_decline",
+    "cus_code_expired_card_1": "expired_card",
+    "cus_auth_1": "authentication_required",
+    "cus_code_stolen_card_1": "stolen_card",
+    "cus_code_fraudulent_1": "fraudulent",
+}
+DECLINES: dict[Flavour, dict[str, str]] = {
+    "contract": CARD_DECLINES,
+    "stripe": CARD_DECLINES,
+    "yookassa": {  # its cancellation reasons (ADR 0008)
+        "cus_code_insufficient_funds_1": "insufficient_funds",
+        "cus_code_issuer_unavailable_1": "issuer_unavailable",
+        "cus_decline_1": "general_decline",
+        "cus_code_card_expired_1": "card_expired",
+        "cus_auth_1": "3d_secure_failed",
+        "cus_code_permission_revoked_1": "permission_revoked",
+        "cus_code_fraud_suspected_1": "fraud_suspected",
+    },
+}
 
 
 @dataclass
@@ -39,12 +70,27 @@ class Provider:
     def url(self) -> str:
         return self.served.url
 
+    @property
+    def api_key(self) -> str:
+        """The simulator's credentials, as `GATEWAY_API_KEY` spells them for the adapter."""
+        return API_KEYS[self.flavour][0]
+
+    @property
+    def wrong_api_key(self) -> str:
+        """Credentials of the right form that the simulator refuses."""
+        return API_KEYS[self.flavour][1]
+
+    @property
+    def declines(self) -> dict[str, str]:
+        """Customer -> the decline code this flavour answers its charge with."""
+        return DECLINES[self.flavour]
+
     def settings(self, **overrides: Any) -> GatewaySettings:
         """Gateway settings that point the `flavour` adapter at this simulator."""
         values: dict[str, Any] = {
             "kind": self.flavour,
             "url": self.url,
-            "api_key": SecretStr(API_KEY),
+            "api_key": SecretStr(self.api_key),
             "gateway_timeout_s": 5.0,
         }
         return GatewaySettings(**(values | overrides))
