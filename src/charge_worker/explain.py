@@ -21,7 +21,7 @@ import click
 from charge_worker import events
 from charge_worker.database import create_pool, translated
 from charge_worker.display import printable
-from charge_worker.gateway import AUTHENTICATION_REQUIRED, build_gateway
+from charge_worker.gateway import AUTHENTICATION_REQUIRED, build_gateway, decline_kind
 from charge_worker.messages import idempotency_key
 from charge_worker.settings import Settings
 
@@ -146,9 +146,9 @@ def _headline(key: str, state: dict[str, Any]) -> list[str]:
             "  processing: the provider accepted it and the bank settles it later; nothing is"
             " sent again, its webhook or reconcile records the result"
         )
-    if state.get("decline_code") == AUTHENTICATION_REQUIRED:
+    if decline_kind(state.get("decline_code")) == AUTHENTICATION_REQUIRED:
         lines.append(
-            "  declined: authentication_required: the bank wants the customer present;"
+            f"  declined: {state['decline_code']}: the bank wants the customer present;"
             " ask them to pay or authenticate (e-mail them)"
         )
     elif "decline_code" in state:
