@@ -25,7 +25,7 @@ import asyncpg
 import click
 import httpx
 
-from charge_worker.sandbox.demo.samples import ACTION_CUSTOMER, Published
+from charge_worker.sandbox.demo.samples import Published
 from charge_worker.sandbox.demo.workers import run_cli
 from charge_worker.settings import Settings
 
@@ -63,9 +63,10 @@ async def retry_on_purpose(
     http: httpx.AsyncClient, settings: Settings, cwd: Path, published: Published
 ) -> Step:
     """The customer fixes their card; support retries the period now."""
-    knob = {"succeeds_on_try": {ACTION_CUSTOMER: 2}}
+    customer = published.action_customer
+    knob = {"succeeds_on_try": {customer: 2}}
     (await http.post(f"{settings.gateway.url}/_sim/config", json=knob)).raise_for_status()
-    click.echo(f"    {ACTION_CUSTOMER} updates the card (gateway simulator: {json.dumps(knob)})")
+    click.echo(f"    {customer} updates the card (gateway simulator: {json.dumps(knob)})")
     problems = await _retry(settings, cwd, published.action_order, published)
     return problems, [published.action_order]
 

@@ -25,13 +25,14 @@ import secrets
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import cast, get_args
 
 import asyncpg
 import click
 import httpx
 import nats.errors
 from nats.js import JetStreamContext
+from pydantic import SecretStr
 
 from charge_worker import event_loop, streams
 from charge_worker.display import without_credentials
@@ -55,7 +56,7 @@ from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.nats_cluster import NatsCluster
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY, ScoringConfig, build_scoring_app
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import NatsSettings, Settings
+from charge_worker.settings import GatewayKind, NatsSettings, Settings
 
 SETTLE_TIMEOUT_S = 120.0
 PAUSE_S = 60  # a paused consumer resumes by itself after this, should the demo die
@@ -201,7 +202,7 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
         _step("publishing sample due charges")
         # on a database of your own, order ids of their own
         order_base = 10**9 + secrets.randbelow(10**9) * 100 if external else 1001
-        published = await publish_samples(js, cfg.subject, order_base)
+        published = await publish_samples(js, cfg.subject, order_base, settings.gateway.kind)
         await _show_state(js, cfg)
 
         _step(f"starting {WORKERS} workers: charge-worker run")
@@ -276,13 +277,14 @@ async def _story(settings: Settings, *, external: bool, keep: bool) -> list[str]
         return problems
 
 
-def demo_gateway_kind(environ: Mapping[str, str]) -> Literal["contract", "stripe"]:
-    """`GATEWAY_KIND` (`contract`, the default, or `stripe`): the adapter the workers use
-    and the simulator's flavour; `SettingsError` naming it otherwise."""
+def demo_gateway_kind(environ: Mapping[str, str]) -> GatewayKind:
+    """`GATEWAY_KIND` (`contract`, the default, `stripe` or `yookassa`): the adapter the
+    workers use and the simulator's flavour; `SettingsError` naming it otherwise."""
     kind = environ.get("GATEWAY_KIND") or "contract"
-    if kind not in ("contract", "stripe"):
-        raise SettingsError(f"GATEWAY_KIND: {kind!r} is not contract or stripe")
-    return "stripe" if kind == "stripe" else "contract"
+    kinds: tuple[str, ...] = get_args(GatewayKind)
+    if kind not in kinds:
+        raise SettingsError(f"GATEWAY_KIND: {kind!r} is not one of {', '.join(kinds)}")
+    return cast(GatewayKind, kind)
 
 
 def run_demo(*, keep: bool = False, nats_cluster: int = 1) -> None:
@@ -291,13 +293,14 @@ def run_demo(*, keep: bool = False, nats_cluster: int = 1) -> None:
     `nats_cluster=3`: on an embedded 3-node JetStream cluster, the streams replicated 3 times.
     """
     kind = demo_gateway_kind(os.environ)  # before anything starts: a bad value fails first
+    sim_config = GatewayConfig(flavour=kind)
     _step("starting NATS JetStream, PostgreSQL and the simulators")
     external = bool(os.environ.get("NATS_URL") or os.environ.get("DATABASE_URL"))
     nats = NatsCluster() if nats_cluster == 3 else NatsServer()
     with (
         _server("NATS_URL", nats) as nats_url,
         _server("DATABASE_URL", PostgresServer()) as database_url,
-        ServedApp(build_gateway_app(GatewayConfig(flavour=kind))) as gateway,
+        ServedApp(build_gateway_app(sim_config)) as gateway,
         ServedApp(build_scoring_app(_scoring_config())) as scoring,
     ):
         click.echo(
@@ -308,8 +311,13 @@ def run_demo(*, keep: bool = False, nats_cluster: int = 1) -> None:
         settings = demo_settings(
             nats_url, database_url, gateway.url, scoring.url, external=external
         )
+        credentials = SecretStr(sim_config.api_key)  # the flavour's sandbox credentials
         settings = settings.model_copy(
-            update={"gateway": settings.gateway.model_copy(update={"kind": kind})}
+            update={
+                "gateway": settings.gateway.model_copy(
+                    update={"kind": kind, "api_key": credentials}
+                )
+            }
         )
         if nats_cluster == 3:
             replicated = settings.nats.model_copy(update={"stream_replicas": 3})

@@ -47,8 +47,20 @@ DECLINED_CUSTOMER = "cus_decline_carol"  # the gateway simulator declines cus_de
 BLOCKED_CUSTOMER = "cus_block_mallory"  # the scoring simulator blocks cus_block*
 # the gateway simulator's cards (sandbox/gateway/cards.py)
 SOFT_CUSTOMER = "cus_soft2_dan"  # insufficient_funds on try 1, charged on try 2
-HARD_CUSTOMER = "cus_code_stolen_card_victor"  # stolen_card: hard, never tried again
-ACTION_CUSTOMER = "cus_code_expired_card_wendy"  # expired_card: waits for the customer
+# a hard decline (never tried again) and one that waits for the customer, in the codes of
+# the provider the demo runs on (YooKassa's: ADR 0008)
+HARD_CODE = {"yookassa": "permission_revoked"}
+ACTION_CODE = {"yookassa": "card_expired"}
+
+
+def hard_customer(kind: str) -> str:
+    """The customer whose card the provider declines for good."""
+    return f"cus_code_{HARD_CODE.get(kind, 'stolen_card')}_victor"
+
+
+def action_customer(kind: str) -> str:
+    """The customer whose card waits for them to act (they update it later)."""
+    return f"cus_code_{ACTION_CODE.get(kind, 'expired_card')}_wendy"
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,7 @@ class Published:
     soft_order: int
     hard_order: int
     action_order: int
+    action_customer: str
 
 
 def sample(order_id: int, customer: str, amount_minor: int, currency: str) -> ChargeDue:
@@ -87,8 +100,11 @@ def _line(what: str, detail: str) -> None:
     click.echo(f"    {what:<52} {detail}")
 
 
-async def publish_samples(js: JetStreamContext, subject: str, order_base: int) -> Published:
-    """Publish the sample set to `subject`, one line per kind of message."""
+async def publish_samples(
+    js: JetStreamContext, subject: str, order_base: int, kind: str = "contract"
+) -> Published:
+    """Publish the sample set to `subject`, one line per kind of message; the declines in
+    the codes of the provider `kind` (`GATEWAY_KIND`)."""
 
     written: list[int] = []
 
@@ -133,8 +149,8 @@ async def publish_samples(js: JetStreamContext, subject: str, order_base: int) -
     _line(f"order {last + 3} with amount 0", f"seq {seq}: poison")
     declines = [
         (sample(last + 4, SOFT_CUSTOMER, 4900, "EUR"), "insufficient_funds on try 1 only"),
-        (sample(last + 5, HARD_CUSTOMER, 7500, "USD"), "stolen_card: a hard decline"),
-        (sample(last + 6, ACTION_CUSTOMER, 12900, "RUB"), "expired_card: the customer must act"),
+        (sample(last + 5, hard_customer(kind), 7500, "USD"), "a hard decline"),
+        (sample(last + 6, action_customer(kind), 12900, "RUB"), "the customer must act"),
     ]
     for charge, what in declines:
         seq = await put(charge.to_json(), charge.msg_id)
@@ -158,4 +174,5 @@ async def publish_samples(js: JetStreamContext, subject: str, order_base: int) -
         soft_order=soft,
         hard_order=hard,
         action_order=action,
+        action_customer=action_customer(kind),
     )
