@@ -15,6 +15,11 @@ more often than the schedule and the 30-day cap allow (`tried_beyond_schedule`);
 declined hard or for the customer to act is sent once and followed by no other
 (`final_decline_sent_again`), whatever the manifest expected.
 
+A key that settles later (`settles_later`: the gateway answers `pending`) must also have
+had its payment recorded `processing` by the delivery that sent it, unless a delivery of
+it met an unknown outcome or looked up (the payment may have settled before anyone read
+it): else `processing_unrecorded`.
+
 Every scenario also judges the outcome events (`outcome_events.py`): the `CHARGE_OUTCOMES`
 stream, read as a downstream consumer once the outbox drained, must agree with the ledger
 and the gateway key by key; its violations are fatal like the rest.
@@ -57,6 +62,7 @@ FATAL = frozenset(
         "wrong_try",
         "tried_beyond_schedule",
         "final_decline_sent_again",
+        "processing_unrecorded",
         *outcome_events.FATAL,
     }
 )
@@ -89,6 +95,10 @@ class Facts:
     lookups: Counter[str]  # lookups before a call, by what they found ("nothing": spent)
     events: list[Outcome] = field(default_factory=list)  # CHARGE_OUTCOMES, in stream order
     unsent: Counter[str] = field(default_factory=Counter)  # outbox events not marked sent
+    # per key, the charges a delivery recorded `processing` (the gateway answered pending)
+    processing: dict[str, set[str]] = field(default_factory=dict)
+    # keys a delivery of which met an unknown outcome or looked up first
+    looked_up: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -159,6 +169,20 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
                 )
             }
         )
+        processing: dict[str, set[str]] = defaultdict(set)
+        for r in await conn.fetch(
+            """SELECT order_id, billing_period, detail->>'charge_id' AS charge FROM charge_events
+                WHERE kind = 'delivery' AND detail->>'outcome' = 'processing'"""
+        ):
+            processing[f"{r['order_id']}:{r['billing_period'].isoformat()}"].add(r["charge"])
+        looked_up = {
+            f"{r['order_id']}:{r['billing_period'].isoformat()}"
+            for r in await conn.fetch(
+                """SELECT DISTINCT order_id, billing_period FROM charge_events
+                    WHERE kind = 'delivery'
+                      AND (detail ? 'lookup' OR detail->>'outcome' = 'outcome_unknown')"""
+            )
+        }
         unknown = await conn.fetch(
             """SELECT extract(epoch FROM a.settled_at - min(e.at)) AS s
                  FROM charge_events e JOIN charge_attempts a USING (order_id, billing_period)
@@ -178,6 +202,8 @@ async def gather(gateway_url: str, database_url: str, nc: Client, cfg: NatsSetti
         lookups,
         await _patiently(lambda: outcomes_batched(nc.jetstream(), cfg)),
         unsent,
+        dict(processing),
+        looked_up,
     )
 
 
@@ -313,6 +339,8 @@ def judge(
         "unknown_resolution_max_s": max(facts.unknown_resolution_s, default=0.0),
         "outcome_events": len(facts.events),
         "outcome_events_unsent": sum(facts.unsent.values()),
+        # keys a delivery recorded `processing` (the gateway answered pending)
+        "recorded_processing": len(facts.processing),
         "events_of_lost_commits": verdict.outcomes[outcome_events.LOST_COMMIT],
         # the tries after the first the ledger's periods started (`tries_started` of the
         # producers' runs must add up to it)
@@ -387,7 +415,9 @@ def _valid(
     charged = len(held) == 1
     if SETTLED[entry.expect] == (charged, status):
         assert row is not None
-        if wrong := _wrong_settlement(entry, charges, held, row):
+        if wrong := _wrong_settlement(entry, charges, held, row) or _processing_unrecorded(
+            entry, facts, held
+        ):
             return wrong
         repaired = entry.expect == "charged_once" and len(effective) > 1
         return (REPAIRED_DOUBLE, _listed(effective)) if repaired else (entry.expect, "")
@@ -470,6 +500,19 @@ def _wrong_settlement(
             f"charged on try {_try(held[0])} ({held[0]['id']}), due on try {entry.tries}"
         )
     return None
+
+
+def _processing_unrecorded(
+    entry: Entry, facts: Facts, held: list[dict[str, Any]]
+) -> tuple[str, str] | None:
+    """A key that settles later, charged, whose payment no delivery recorded `processing`
+    though none of them met an unknown outcome or looked up."""
+    if not entry.settles_later or not held or entry.key in facts.looked_up:
+        return None
+    recorded = facts.processing.get(entry.key, set())
+    if held[0]["id"] in recorded:
+        return None
+    return "processing_unrecorded", f"{held[0]['id']} held; recorded processing: {recorded}"
 
 
 def _conflict_refused(entry: Entry, held: list[dict[str, Any]], letters: list[Letter]) -> bool:

@@ -16,6 +16,11 @@ With a retry schedule (the `retries_*` scenarios) the declines are the retries f
 `cus_code_stolen_card_…` hard (final `declined`, never sent again), `cus_code_expired_card_…`
 and `cus_auth_…` the customer's to fix (`action_required`, never sent again by itself).
 Each entry says the try its period ends on (`tries`).
+
+With a `processing_share` (the `yookassa_pending` scenario) that share of the valid keys is
+`cus_processing_…`: the gateway answers `pending` and settles the payment later, so the
+ledger holds the row `processing` with the payment id until reconcile (or a webhook) finds
+it settled (`settles_later`); the key is still charged once.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class Entry:
     new_msg_id_copies: int = 0
     # the try the period ends on: charged on it, or its last one declined (1: the first)
     tries: int = 1
+    # the gateway answers `pending` and settles later: the ledger records `processing`
+    settles_later: bool = False
 
     def body(self) -> bytes:
         if self.poison is not None:
@@ -119,10 +126,15 @@ def plan(
     poison_share: float = 0.03,
     conflicts: bool = True,
     retry_schedule: tuple[float, ...] = (),
+    processing_share: float = 0.0,
 ) -> list[Entry]:
     """`size` keys: mostly charges, some declines, blocks, poison; extra copies of some
     (conflicting ones too, unless `conflicts` is False). With a `retry_schedule`, the
-    declines are the retries family's (`_retried`), and half the keys are declined."""
+    declines are the retries family's (`_retried`), and half the keys are declined. With a
+    `processing_share`, that share of the valid keys settles later (`_plain`)."""
+    if retry_schedule and processing_share:
+        raise ValueError("a processing share is drawn among the plain keys, not the retries'")
+    shares = _plain(processing_share)
     rng = random.Random(seed)
     entries: list[Entry] = []
     for index in range(size):
@@ -139,12 +151,12 @@ def plan(
         tries = 1
         if retry_schedule:
             kind, customer, tries = _retried(index, draw - poison_share, rng, retry_schedule)
-        elif draw < poison_share + 0.06:
-            kind, customer = "declined", f"cus_decline_{index}"
-        elif draw < poison_share + 0.12:
-            kind, customer = "blocked", f"cus_block_{index}"
         else:
-            kind, customer = "charged_once", f"cus_ok_{index}"
+            kind, customer = next(
+                (kind, c.format(index=index))
+                for upto, kind, c in shares
+                if draw < poison_share + upto
+            )
         extra = rng.random()
         # a conflicting copy of try 1 must meet try 1's row: only a period charged on it
         first_try_charge = kind == "charged_once" and tries == 1
@@ -161,9 +173,23 @@ def plan(
                 same_msg_id_copies=1 if 0.02 <= extra < 0.07 else 0,
                 new_msg_id_copies=1 if 0.07 <= extra < 0.12 else 0,
                 tries=tries,
+                settles_later=customer.startswith(PROCESSING),
             )
         )
     return entries
+
+
+PROCESSING = "cus_processing_"  # the simulator answers `pending`, settles it later
+
+
+def _plain(processing_share: float) -> tuple[tuple[float, Expect, str], ...]:
+    """The plain keys' shares of the valid keys: (up to this draw, expected, customer)."""
+    return (
+        (0.06, "declined", "cus_decline_{index}"),
+        (0.12, "blocked", "cus_block_{index}"),
+        (0.12 + processing_share, "charged_once", PROCESSING + "{index}"),
+        (1.00, "charged_once", "cus_ok_{index}"),
+    )
 
 
 # the retries family's shares of the valid keys: (up to this draw, expected, customer)

@@ -99,6 +99,7 @@ async def run_scenario(
         poison_share=scenario.poison_share,
         conflicts=scenario.conflicts,
         retry_schedule=scenario.retry_schedule,
+        processing_share=scenario.processing_share,
     )
     root.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240  # once, before anything runs
     generator.write_manifest(root / "manifest.jsonl", entries)
@@ -274,8 +275,9 @@ async def _purge(system: Cluster, nc: Client, fraction: float, rng: random.Rando
 
 
 async def _open_work(system: Cluster, nc: Client) -> dict[str, int]:
-    """What is not done yet: messages pending or unacked, open ledger rows, periods whose
-    next try is to come, deferred checks, outcome events not in their stream yet.
+    """What is not done yet: messages pending or unacked, open ledger rows (`processing`
+    ones too: the bank settles them, reconcile records it), periods whose next try is to
+    come, deferred checks, outcome events not in their stream yet.
 
     Empty when the system is quiet."""
     cfg = system.settings.nats
@@ -284,7 +286,8 @@ async def _open_work(system: Cluster, nc: Client) -> dict[str, int]:
     try:
         row = await conn.fetchrow(
             """SELECT (SELECT count(*) FROM charge_attempts
-                        WHERE status IN ('scheduled', 'pending')) AS open_rows,
+                        WHERE status IN ('scheduled', 'pending', 'processing'))
+                        AS open_rows,
                       (SELECT count(*) FROM charge_attempts
                         WHERE status = 'retry_scheduled') AS tries_to_come,
                       (SELECT count(*) FROM deferred_scoring_checks

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import SecretStr
+
 from charge_worker.sandbox.latency import LatencyModel
 from charge_worker.sandbox.scoring import INCIDENT_LATENCY
 from charge_worker.worker.failpoints import POINTS
@@ -31,6 +33,7 @@ class Scenario:
     settings: dict[str, Any] = field(default_factory=dict)
     full_settings: dict[str, Any] = field(default_factory=dict)  # above the quick size
     poison_share: float = 0.03
+    processing_share: float = 0.0  # of the valid keys: answered pending, settled later
     purge_fraction: float = 0.0  # of the published messages, deleted before any worker runs
     quick_size: int = 300
     # the most keys its faults and latencies let drain inside `quiet_within_s` on 2 cores; a
@@ -143,6 +146,18 @@ RETRIES_DOUBLE_PRODUCER = _retries(
 STRIPE = {"flavour": "stripe"}
 STRIPE_QUICK_SIZE = 150  # three scenarios inside `make test`: about 2 minutes of CI in all
 
+# The YooKassa flavour (`GATEWAY_KIND=yookassa`, the simulator speaking API v3 with the
+# sandbox's Basic credentials); the money counted the same way, at `/_sim/charges`.
+YOOKASSA = {"flavour": "yookassa"}
+YOOKASSA_SETTINGS: dict[str, Any] = {
+    "kind": "yookassa",
+    "api_key": SecretStr("100500:test_sandbox"),
+}
+YOOKASSA_QUICK_SIZE = 100
+# `cus_processing_…` payments settle this long after they were answered `pending`: longer
+# than reconcile's quiet time, so a sweep meets some still pending and looks again later
+PENDING_SETTLE_S = 4.0
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("baseline", "no faults"),
     Scenario(
@@ -223,6 +238,32 @@ SCENARIOS: tuple[Scenario, ...] = (
         gateway=STRIPE | {"idempotency_enabled": False, "lost_answer_rate": 0.3},
         settings={"kind": "stripe"},
         quick_size=STRIPE_QUICK_SIZE,
+    ),
+    # The YooKassa flavour
+    Scenario(
+        "yookassa_baseline",
+        "GATEWAY_KIND=yookassa, no faults",
+        gateway=YOOKASSA,
+        settings=YOOKASSA_SETTINGS,
+        quick_size=YOOKASSA_QUICK_SIZE,
+    ),
+    Scenario(
+        "yookassa_gateway_unknown",
+        "GATEWAY_KIND=yookassa, 30 % timeouts / 10 % 5xx after commit, 10 % 503 before",
+        nemeses=(nemesis.LOST_ANSWERS,),
+        gateway=YOOKASSA | {"lost_answer_rate": 0.3, "error_rates": {503: 0.1}},
+        settings=YOOKASSA_SETTINGS,
+        quick_size=YOOKASSA_QUICK_SIZE,
+    ),
+    Scenario(
+        "yookassa_pending",
+        f"GATEWAY_KIND=yookassa, 20 % of the keys answered pending and settled "
+        f"{PENDING_SETTLE_S:g} s later: recorded processing, settled by reconcile",
+        gateway=YOOKASSA | {"processing_settle_s": PENDING_SETTLE_S},
+        # a processing row is swept once it is this quiet (the cron runs every 5 s)
+        settings=YOOKASSA_SETTINGS | {"reconcile_quiet_s": 3.0},
+        processing_share=0.2,
+        quick_size=YOOKASSA_QUICK_SIZE,
     ),
     Scenario(
         "purged_stream",

@@ -11,7 +11,7 @@ import pytest
 from charge_worker.retries.schedule import after_decline
 from charge_worker.sandbox.gateway import cards
 from tests.chaos.checker import FATAL, Facts, judge
-from tests.chaos.generator import Entry, plan
+from tests.chaos.generator import FIRST_ORDER, Entry, plan
 from tests.chaos.outcome_events import LOST_COMMIT
 from tests.chaos.scenarios import RETRY_SCHEDULE
 from tests.support.outcomes import Outcome
@@ -131,6 +131,40 @@ def test_a_ledger_that_names_another_charge_than_the_one_held_is_fatal() -> None
     verdict = judge([ENTRY], facts, ledger_forgets=True, doubles_possible=True)
     assert [outcome for _, outcome, _ in verdict.fatal] == ["wrong_charge_recorded"]
     assert "wrong_charge_recorded" in FATAL
+
+
+PENDING = Entry(KEY, "charged_once", order_id=1, customer="cus_ok", amount=1000, settles_later=True)
+
+
+@pytest.mark.parametrize(
+    ("processing", "looked_up", "outcome"),
+    [
+        ({KEY: {"ch_1"}}, set(), "charged_once"),
+        ({}, set(), "processing_unrecorded"),
+        ({KEY: {"ch_other"}}, set(), "processing_unrecorded"),
+        ({}, {KEY}, "charged_once"),  # a lookup may find it settled already
+    ],
+    ids=["recorded processing", "never processing", "another payment", "looked up"],
+)
+def test_a_key_that_settles_later_was_recorded_processing_with_its_payment(
+    processing: dict[str, set[str]], looked_up: set[str], outcome: str
+) -> None:
+    facts = _facts([_charge("ch_1")], "ch_1")
+    facts.processing, facts.looked_up = processing, looked_up
+    verdict = judge([PENDING], facts)
+    assert list(verdict.outcomes) == [outcome]
+
+
+def test_the_processing_share_draws_keys_that_settle_later() -> None:
+    entries, plain = plan(1, 1000, processing_share=0.2), plan(1, 1000)
+    later = [e for e in entries if e.settles_later]
+    assert 150 < len(later) < 250
+    assert {e.customer for e in later} == {
+        f"cus_processing_{e.order_id - FIRST_ORDER}" for e in later
+    }
+    # only which charged keys settle later changes: the rest of the plan is the same
+    assert [e.expect for e in entries] == [e.expect for e in plain]
+    assert not any(e.settles_later for e in plain)
 
 
 # --- the outcome events: CHARGE_OUTCOMES against the ledger and the gateway
