@@ -273,7 +273,8 @@ async def test_events_of_intents_without_our_metadata_are_ignored_not_retried(
 ) -> None:
     """Issue 34 item 5: Checkout's and other integrations' intents are answered 200 and
     journaled `ignored` at once; a charge or dispute naming no intent is 200 `ignored`, not
-    400; a re-fetch that finds no metadata of ours and no ledger row is `stale`."""
+    400; a re-fetch that finds no metadata of ours is `ignored` too, final (the provider,
+    not the event, says the intent is another integration's)."""
     db = await asyncpg.connect(database_url)
     try:
         foreign = await foreign_intent(stripe_sim)
@@ -301,7 +302,7 @@ async def test_events_of_intents_without_our_metadata_are_ignored_not_retried(
             await eventually(lambda: settled(db, dispute_id), "the dispute processed")
         rows = {r["event_id"]: r for r in await journal(db)}
         assert set(rows) == {json.loads(intent)["id"], dispute_id}
-        assert rows[dispute_id]["status"] == "stale"
+        assert rows[dispute_id]["status"] == "ignored"
         assert rows[dispute_id]["attempts"] == 1
     finally:
         await db.close()

@@ -196,3 +196,44 @@ async def test_a_delivery_from_outside_the_networks_is_refused_and_journals_noth
     assert malformed.status_code == 400, malformed.text  # from loopback: inside, read
     assert (unused.status_code, unused.json()) == (200, {"received": None, "ignored": True})
     assert await journal(db) == []
+
+
+async def test_a_body_without_our_metadata_decides_nothing_the_payment_does(
+    database_url: str, sim: ServedApp, gateway: Gateway, db: asyncpg.Connection
+) -> None:
+    """A body stripped of our metadata arrives first for our payment: the payment, as
+    re-fetched, is ours and is applied (the real delivery after it is a duplicate). A
+    payment that is truly another integration's is ignored once re-fetched, final."""
+    ours = await gateway.charge(due(3, customer="cus_ok"))
+    assert ours.charge_id is not None
+    await add_row(db, 3, "pending")
+    await set_customer(db, 3, "cus_ok")
+    stripped = notification("payment.succeeded", {"id": ours.charge_id, "status": "succeeded"})
+    async with (
+        running_receiver(yookassa_settings(database_url, sim)) as receiver,
+        httpx.AsyncClient(base_url=sim.url, trust_env=False) as simulator,
+    ):
+        theirs = await simulator.post(  # another integration's payment, on the same shop
+            "/v3/payments",
+            auth=(SHOP_ID, SECRET_KEY),
+            headers={"Idempotence-Key": "their-order-77"},
+            json={
+                "amount": {"value": "10.00", "currency": "RUB"},
+                "capture": True,
+                "payment_method_id": "cus_ok",
+                "metadata": {"their_order": "77"},
+            },
+        )
+        assert theirs.status_code == 200, theirs.text
+        first = await deliver(receiver, stripped)
+        other = await deliver(
+            receiver, notification("payment.succeeded", theirs.json() | {"metadata": {}})
+        )
+        ours_id = f"payment.succeeded:{ours.charge_id}"
+        theirs_id = f"payment.succeeded:{theirs.json()['id']}"
+        await eventually(lambda: settled(db, ours_id, theirs_id), "both processed")
+    assert (first.status_code, other.status_code) == (200, 200)
+    statuses = {r["event_id"]: r["status"] for r in await journal(db)}
+    assert statuses == {ours_id: "applied", theirs_id: "ignored"}
+    row = await ledger(db, 3)
+    assert (row["status"], row["gateway_charge_id"]) == ("succeeded", ours.charge_id)

@@ -208,6 +208,18 @@ def _without(name: str) -> dict[str, Any]:
     return body
 
 
+async def test_a_payment_without_metadata_is_another_integrations_and_is_made(
+    client: httpx.AsyncClient,
+) -> None:
+    """`metadata` is optional in "Create a payment": a shop's other integrations may send
+    none, and YooKassa makes their payments all the same."""
+    response = await client.post(
+        "/v3/payments", json=_without("metadata"), headers={"Idempotence-Key": "theirs:1"}
+    )
+    assert response.status_code == 200, response.text
+    assert (response.json()["status"], response.json()["metadata"]) == ("succeeded", {})
+
+
 @pytest.mark.parametrize(
     ("body", "parameter"),
     [
@@ -226,8 +238,6 @@ def _without(name: str) -> dict[str, Any]:
         (_without("payment_method_id"), "payment_method_id"),
         (_with(payment_method_id=""), "payment_method_id"),
         (_with(payment_method_id=42), "payment_method_id"),
-        (_without("metadata"), "metadata"),
-        (_with(metadata={"order_id": "48291"}), "metadata.billing_period"),
         (_with(metadata={"order_id": 48291, "billing_period": PERIOD}), "metadata.order_id"),
         (_with(metadata="48291"), "metadata"),
         (_with(description="x" * 129), "description"),

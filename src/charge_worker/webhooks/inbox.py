@@ -177,7 +177,7 @@ _FINISH = """
 UPDATE webhook_inbox
    SET status = $3, outcome = $4, last_error = $5, lease_owner = NULL, updated_at = now(),
        next_attempt_at = now() + make_interval(secs => $6),
-       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'needs_review')
+       finished_at = CASE WHEN $3 IN ('applied', 'stale', 'needs_review', 'ignored')
                           THEN now() END
  WHERE id = $1 AND lease_owner = $2 AND status = 'processing'
 """
@@ -444,6 +444,11 @@ class Inbox:
             await held.finish("needs_review", outcome=why)
             if job.key is not None:
                 await held.story(job.key, "needs_review", why, None)
+
+    async def ignore(self, job: Job, owner: str, why: str) -> None:
+        """Finish the event as `ignored`: its charge, as re-fetched, is not ours."""
+        async with translated(), self.pool.acquire() as conn:
+            await _Held(conn, job, owner).finish("ignored", outcome=why)
 
     async def wait(self, job: Job, owner: str, why: str, *, delay_s: float) -> None:
         """Put the event back to wait for its dependency another `delay_s`."""

@@ -186,6 +186,12 @@ class Processor:
                     self._count(job, Review(why))
                     return
                 job = refetched(job, fetched, revision=revision)
+                if job.key is None:  # another integration's charge, as the provider says
+                    why = f"{job.charge_id} carries no order_id/billing_period of ours"
+                    await self.inbox.ignore(job, self.owner, why)
+                    self.metrics.events.labels("ignored").inc()
+                    log.info("webhook.processed", **job.describe(), status="ignored", detail=why)
+                    return
             decision = await self._decide(job, fetched)
         except LeaseHeld as error:
             log.warning("webhook.lease_lost", **job.describe(), error=str(error))

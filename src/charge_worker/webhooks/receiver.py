@@ -32,7 +32,8 @@ read), and its body only names the payment to re-fetch, as for Stripe. A notific
 id of its own: it is journaled as `<event>:<object id>`, so a duplicate delivery of one
 event about one object is one row; a refund's under its `payment_id`
 (`YOOKASSA_EVENT_TYPES`). Other events (`payment.waiting_for_capture`: we always capture)
-are answered 200 and not journaled; a payment without our metadata is journaled `ignored`.
+are answered 200 and not journaled. Whether a payment is ours is the re-fetched payment's
+to say (its metadata): the processor marks a payment of another integration `ignored`.
 """
 
 from __future__ import annotations
@@ -175,7 +176,6 @@ class YooKassaObject(_Model):
 
     id: Id
     payment_id: Id | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class YooKassaNotification(_Model):
@@ -198,31 +198,21 @@ def parse_notification(body: bytes) -> YooKassaNotification:
 
 def _yookassa_entry(source: str, body: bytes) -> Entry | None:
     """The journal row of a notification from YooKassa's networks; None for an event the
-    ledger does not use. Only the object's id (a refund's `payment_id`) and, for the
-    `ignored` decision, a payment's metadata are read: the processor re-fetches the rest."""
+    ledger does not use. Only the event and the object's id (a refund's `payment_id`) are
+    read: an unsigned body decides nothing else, not even whether the payment is ours (a
+    body stripped of our metadata, arriving first, would otherwise take the real delivery's
+    event id as `ignored`). The processor re-fetches the payment and finds out."""
     notification = parse_notification(body)
     kind = YOOKASSA_EVENT_TYPES.get(notification.event)
     if kind is None:
         return None
     found = notification.object
-    refund = notification.event.startswith("refund.")
-    payment = found.payment_id if refund else found.id
+    payment = found.payment_id if notification.event.startswith("refund.") else found.id
     if payment is None:
         raise MalformedDelivery(f"{notification.event} names no payment_id")
-    # a refund's metadata is not the payment's: the re-fetched payment says whose it is
-    order_id, period = (None, None) if refund else _key_of(found.metadata)
     event_id = f"{notification.event}:{found.id}"[:255]
     return Entry(
-        source,
-        event_id,
-        event_id,
-        kind,
-        payment,
-        STRIPE_REVISION,
-        order_id,
-        period,
-        body.decode(),
-        "ignored" if not refund and order_id is None else "received",
+        source, event_id, event_id, kind, payment, STRIPE_REVISION, None, None, body.decode()
     )
 
 

@@ -8,14 +8,14 @@ delivery as the contract flavour (`app.py`), in YooKassa's wire format (`yookass
 * auth: HTTP Basic `<shopId>:<secret key>` (`api_key`, the sandbox's `100500:test_sandbox`),
   else `401 invalid_credentials`;
 * `POST /v3/payments` (`Idempotence-Key` required, at most 64 characters; `amount`,
-  `capture: true`, `payment_method_id`, `description`, `metadata` with `order_id` and
-  `billing_period`): the payment method id stands for the contract's customer, so
-  `cards.py` decides by it and the try `metadata.attempt` names (in YooKassa's words:
-  `cus_decline…` `general_decline`, `cus_auth…` `3d_secure_failed`). A decline is `200`
-  with the payment `canceled` and its `cancellation_details` (`party` `yoo_kassa` for the
-  reasons YooKassa cancels for itself, such as `fraud_suspected`, else `payment_network`);
-  `cus_processing…` is `pending` and succeeds `processing_settle_s` later; any other
-  `succeeded`, `paid`, `captured_at`;
+  `capture: true`, `payment_method_id`, `description`, `metadata` (optional: ours carries
+  `order_id` and `billing_period`, another integration's anything or nothing): the payment
+  method id stands for the contract's customer, so `cards.py` decides by it and the try
+  `metadata.attempt` names (in YooKassa's words: `cus_decline…` `general_decline`,
+  `cus_auth…` `3d_secure_failed`). A decline is `200` with the payment `canceled` and its
+  `cancellation_details` (`party` `yoo_kassa` for the reasons YooKassa cancels for itself,
+  such as `fraud_suspected`, else `payment_network`); `cus_processing…` is `pending` and
+  succeeds `processing_settle_s` later; any other `succeeded`, `paid`, `captured_at`;
 * idempotency: a repeat with the same key and body answers the first status and body (no
   header says so); another body: `400 invalid_request` `parameter: Idempotence-Key`
   ("Idempotence key duplicated"); the key still executing: `202 {"type": "processing",

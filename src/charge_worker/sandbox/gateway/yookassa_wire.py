@@ -181,9 +181,9 @@ def _description(body: Mapping[str, Any], longest: int) -> str | None:
 
 
 def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
-    metadata = body.get("metadata")
-    if metadata is None:
-        raise invalid("metadata is required", "metadata")
+    """YooKassa's `metadata`: optional (another integration on the shop may send none),
+    string values; ours carries `order_id` and `billing_period`."""
+    metadata = body.get("metadata", {})
     if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
         raise invalid(f"metadata must be an object of at most {MAX_METADATA_KEYS}", "metadata")
     for name, value in metadata.items():
@@ -194,8 +194,6 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
                 f"metadata values are strings of at most {MAX_METADATA_VALUE}",
                 f"metadata.{name}",
             )
-    for name in ("order_id", "billing_period"):
-        _string(metadata, name, f"metadata.{name}")
     return dict(metadata)
 
 
