@@ -77,7 +77,11 @@ async def explain_command(
                 # Stripe lists charges per customer, and only the ledger row names it
                 click.echo("the gateway was not asked: no ledger row names the customer", err=True)
             else:
-                found = await gateway.lookup(order_id, billing_period, customer_id=customer)
+                # every try's charges: none is older than the row
+                since = row["created_at"] if row is not None else None
+                found = await gateway.lookup(
+                    order_id, billing_period, customer_id=customer, since=since
+                )
                 at_gateway = [asdict(c) for c in found]
         finally:
             await gateway.aclose()

@@ -89,7 +89,7 @@ WITH inserted AS (
         last_stream_seq)
     {new_row}
     ON CONFLICT DO NOTHING
-    RETURNING attempt, gateway_calls, scoring
+    RETURNING attempt, gateway_calls, scoring, created_at AS since
 ), previous AS (  -- the row as it was: a takeover of an expired lease, this message's nak
     SELECT lease_owner, last_stream_seq, nak_delivery FROM charge_attempts
      WHERE order_id = $1 AND billing_period = $2 AND NOT EXISTS (SELECT 1 FROM inserted)
@@ -106,10 +106,12 @@ WITH inserted AS (
        AND (c.status = 'scheduled'
             OR (c.status = 'pending' AND (c.lease_until IS NULL OR c.lease_until < now()))
             OR ($12 AND c.status = 'failed'))
-    RETURNING c.attempt, c.gateway_calls, c.scoring, p.lease_owner AS taken_from,
+    RETURNING c.attempt, c.gateway_calls, c.scoring,
+              coalesce(c.try_started_at, c.created_at) AS since, p.lease_owner AS taken_from,
               CASE WHEN p.last_stream_seq = $11 THEN p.nak_delivery END AS nak_delivery
 )
-SELECT attempt, gateway_calls, scoring, NULL::text AS taken_from, NULL::bigint AS nak_delivery
+SELECT attempt, gateway_calls, scoring, since, NULL::text AS taken_from,
+       NULL::bigint AS nak_delivery
   FROM inserted
 UNION ALL SELECT * FROM taken
 """
@@ -256,6 +258,9 @@ class Claim:
     # the delivery of this claim's message that nak'd the charge last (`retry_later`), if
     # any: a redelivery it asked for (`decisions.redelivery_cause`)
     nak_delivery: int | None = None
+    # when the current try began, by the database's clock: none of its charges is older
+    # (`Gateway.lookup(since=)`)
+    since: dt.datetime | None = None
 
     @property
     def outcome_unknown(self) -> bool:
@@ -336,6 +341,7 @@ class Ledger:
                     row["taken_from"],
                     deadline,
                     row["nak_delivery"],
+                    row["since"],
                 )
             why = await conn.fetchrow(_WHY_NOT, *key)
         if why is None:

@@ -411,7 +411,12 @@ class Port:
         return ScoringFailure("scoring timed out")
 
     async def lookup(
-        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+        self,
+        order_id: int,
+        billing_period: dt.date,
+        *,
+        customer_id: str | None = None,
+        since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
         found = self.model.gateway.lookup(order_id, billing_period)  # answered later
         if await self._park("lookup") == "fail":

@@ -135,11 +135,16 @@ class ContractGateway(Guarded):
         raise _classify(response)
 
     async def lookup(
-        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+        self,
+        order_id: int,
+        billing_period: dt.date,
+        *,
+        customer_id: str | None = None,
+        since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
         """Every charge the gateway holds for this period (normally 0 or 1 a try), every
         try's, every page of them, oldest first; the contract finds them by the period
-        alone."""
+        alone (`customer_id` and `since` are not needed)."""
         params = {"order_id": str(order_id), "billing_period": billing_period.isoformat()}
         found: list[GatewayCharge] = []
         for _ in range(LOOKUP_MAX_PAGES):

@@ -73,10 +73,18 @@ class Gateway(Protocol):
         raises propagates and nothing is sent."""
 
     async def lookup(
-        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+        self,
+        order_id: int,
+        billing_period: dt.date,
+        *,
+        customer_id: str | None = None,
+        since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
         """Every charge the provider holds for this key (normally 0 or 1), read-your-writes.
-        `customer_id` lets providers that list per customer find it (Stripe needs it)."""
+        `customer_id` lets providers that list per customer find it (Stripe needs it).
+        `since`: no charge the caller asks about was made before it (by the database's
+        clock: the ledger row's try began then); a provider that can only list by time
+        (YooKassa) lists from there, less its margin for clocks, instead of its own lead."""
 
     async def history(
         self,

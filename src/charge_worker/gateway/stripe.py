@@ -173,11 +173,16 @@ class StripeGateway(Guarded):
         return card
 
     async def lookup(
-        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+        self,
+        order_id: int,
+        billing_period: dt.date,
+        *,
+        customer_id: str | None = None,
+        since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
         """Every intent of this period (every try's), oldest first: the customer's intents
         created since `LOOKUP_LEAD` before the period, matched on their metadata
-        (read-your-writes)."""
+        (read-your-writes). A customer's intents are few: `since` is not needed."""
         if not customer_id:
             raise OutcomeUnknown(
                 f"a Stripe lookup of {order_id}:{billing_period} needs the customer id"

@@ -8,9 +8,9 @@ official SDK).
 |            | `capture: true`, `payment_method_id` (the subscription's `customer_id`),  |
 |            | `metadata` `order_id`, `billing_period` (`attempt` for a try n >= 2) and  |
 |            | the try's key as `Idempotence-Key`                                        |
-| `lookup`   | `GET /v3/payments?created_at.gte=<period - 31 days>`, every page, matched |
-|            | on the metadata (every try's payments of the period): YooKassa has no     |
-|            | search by metadata; a list is read-your-writes                            |
+| `lookup`   | `GET /v3/payments?created_at.gte=<since - 1 h, else period - 31 days>`,   |
+|            | every page, matched on the metadata (every try's payments of the period): |
+|            | YooKassa has no search by metadata; a list is read-your-writes            |
 | `history`  | `GET /v3/payments?created_at.gte=…&created_at.lt=…&cursor=…`, newest      |
 |            | first (YooKassa's order); `starting_after` is YooKassa's `next_cursor`    |
 | `refund`   | `GET /v3/payments/{id}` (what is left to refund: "already" when nothing), |
@@ -52,9 +52,12 @@ from charge_worker.settings import GatewaySettings, require
 YOOKASSA_API = "https://api.yookassa.ru"
 MAX_KEY_LENGTH = 64  # YooKassa's limit on an Idempotence-Key
 # A period's payment is made once it is due: at its first day, or a little before when billed
-# ahead. Lookups list the shop's payments from this long before the period's first day.
+# ahead. A lookup told nothing more lists the shop's payments from this long before the
+# period's first day; told `since` (the ledger's try began then), from `since` less
+# `LOOKUP_MARGIN`: the database's clock and YooKassa's may disagree, by far less.
 LOOKUP_LEAD = dt.timedelta(days=31)
-LOOKUP_MAX_PAGES = 50  # 5,000 payments since the period: the lookup stops, nothing is known
+LOOKUP_MARGIN = dt.timedelta(hours=1)
+LOOKUP_MAX_PAGES = 500  # 50,000 payments in the window: the lookup stops, nothing is known
 # A saved payment method's id, as YooKassa mints them (a UUID) or as a sandbox names them
 PAYMENT_METHOD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _CREDENTIALS = re.compile(r"([0-9]+):(\S+)", re.ASCII)
@@ -147,11 +150,19 @@ class YooKassaGateway(Guarded):
             raise OutcomeUnknown(str(error)) from error
 
     async def lookup(
-        self, order_id: int, billing_period: dt.date, *, customer_id: str | None = None
+        self,
+        order_id: int,
+        billing_period: dt.date,
+        *,
+        customer_id: str | None = None,
+        since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
-        """Every payment of this period (every try's), oldest first: the shop's payments
-        created since `LOOKUP_LEAD` before the period, matched on their metadata."""
-        since = dt.datetime.combine(billing_period - LOOKUP_LEAD, dt.time(), dt.UTC)
+        """Every payment of this period made since `since` (less `LOOKUP_MARGIN`), else
+        since `LOOKUP_LEAD` before the period (every try's), oldest first: the shop's
+        payments in that window, matched on their metadata. YooKassa has no search by
+        metadata: the window is the whole cost of a lookup."""
+        lead = dt.datetime.combine(billing_period - LOOKUP_LEAD, dt.time(), dt.UTC)
+        since = lead if since is None else max(lead, since - LOOKUP_MARGIN)
         params = {"created_at.gte": mapping.iso(int(since.timestamp())), "limit": "100"}
         wanted = (str(order_id), billing_period.isoformat())
         found: list[GatewayCharge] = []

@@ -203,18 +203,24 @@ class Sweeper:
         await together(items, work, limit=self.concurrency)
 
     async def lookup(
-        self, key: Key, customer: str | None = None, *, conn: Db | None = None
+        self,
+        key: Key,
+        customer: str | None = None,
+        *,
+        conn: Db | None = None,
+        since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
         """Every charge the gateway holds for the key, counted in the report. Providers
         that list per customer (Stripe) get the key's: the one given, else the row's or the
         subscription's (read on `conn`, the caller's, when it holds one: a second
         connection per key would let as many keys as the pool has wait for ever), else the
-        one the history showed."""
+        one the history showed. `since`: the caller knows none of the charges it asks about
+        is older (`Gateway.lookup`)."""
         self.report.lookups += 1
         if customer is None:
             found = await (conn or self.pool).fetchval(_CUSTOMER, *key)
             customer = found or self.customers.get(key)
-        return await patiently(self.gateway.lookup, *key, customer_id=customer)
+        return await patiently(self.gateway.lookup, *key, customer_id=customer, since=since)
 
     async def refund(self, charge_id: str) -> str:
         """Refund a proven double in full (`Idempotency-Key: refund:<charge id>`); a span

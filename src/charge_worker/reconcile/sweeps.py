@@ -47,7 +47,7 @@ FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), 0, dt.date.min)  # before every
 
 _UNKNOWN = """
 SELECT order_id, billing_period, attempt, updated_at, status, customer_id, fingerprint,
-       gateway_charge_id, current_try
+       gateway_charge_id, current_try, coalesce(try_started_at, created_at) AS since
   FROM charge_attempts
  WHERE ((status = 'pending' AND gateway_calls > 0) OR status = 'processing')
    AND (lease_until IS NULL OR lease_until < now())
@@ -70,7 +70,7 @@ coalesce({_NEWEST} > $2 AND {_NEWEST} >= $3 AND NOT {_NEWEST} = ANY($4::bigint[]
 _QUIET = f"""
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
        due_at, status, attempt, updated_at, traceparent, fingerprint, gateway_charge_id,
-       current_try
+       current_try, coalesce(try_started_at, created_at) AS since
   FROM charge_attempts {_OPEN_AND_QUIET} AND NOT {_WAITING}
    AND (updated_at, order_id, billing_period) > ($5, $6, $7)
  ORDER BY updated_at, order_id, billing_period LIMIT $8
@@ -154,7 +154,9 @@ async def _ours(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayChar
     someone else with our metadata) are reported for a person and never recorded, so the
     row stays open and the due charge goes ahead."""
     ledger = proof.LedgerRow(row["status"], row["fingerprint"], row["gateway_charge_id"])
-    lookup = proof.split(await run.lookup(key, row["customer_id"]), ledger)
+    # the current try's charges: it began at `since` (an earlier try's ended in a decline)
+    found = await run.lookup(key, row["customer_id"], since=row["since"])
+    lookup = proof.split(found, ledger)
     if lookup.foreign:
         async with run.pool.acquire() as conn:
             await run.for_a_person(conn, key, ledger, lookup.foreign)

@@ -358,7 +358,10 @@ class Pipeline:
     async def _look_up(self, done: _Draft, charge: ChargeDue) -> Result | None:
         """What the gateway already did for this key, as a result to settle; None if nothing."""
         listed = await self.gateway.lookup(
-            charge.order_id, charge.billing_period, customer_id=charge.customer_id
+            charge.order_id,
+            charge.billing_period,
+            customer_id=charge.customer_id,
+            since=done.claim.since if done.claim else None,
         )
         done.looked_up = True
         # found by metadata, which anyone with the account's key can set: only a charge with
