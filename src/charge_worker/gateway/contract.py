@@ -51,13 +51,14 @@ from charge_worker.errors import (
     ReplayedFailure,
     RequestInProgress,
 )
-from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent, retry_after
+from charge_worker.gateway.guard import BeforeSend, Guarded, answer, retry_after
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
 from charge_worker.gateway.results import (
     CARD_DECLINED,
     ChargeResult,
     GatewayCharge,
     HistoryPage,
+    charge_metadata,
 )
 from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
@@ -110,12 +111,7 @@ class ContractGateway(Guarded):
         headers = {"Idempotency-Key": f"{self.key_prefix}{charge.key}"}
         if traceparent:
             headers["traceparent"] = traceparent
-        metadata = {
-            "order_id": str(charge.order_id),
-            "billing_period": charge.billing_period.isoformat(),
-        }
-        if charge.attempt > 1:  # try 1 is the request from before retries, unchanged
-            metadata["attempt"] = str(charge.attempt)
+        metadata = charge_metadata(charge)
         body = {
             "amount": charge.amount_minor,
             "currency": charge.currency,
@@ -227,14 +223,9 @@ class ContractGateway(Guarded):
         self, method: str, path: str, *, before_send: BeforeSend | None = None, **kwargs: Any
     ) -> httpx.Response:
         async def request() -> httpx.Response:
-            try:
-                response = await self.client.request(method, path, **kwargs)
-            except httpx.TransportError as error:
-                if never_sent(error):
-                    raise DependencyUnavailable(f"gateway unreachable: {error}") from error
-                raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
-            except httpx.HTTPError as error:
-                raise OutcomeUnknown(f"gateway {method} {path}: {error!r}") from error
+            response = await answer(
+                self.client, method, path, who="gateway", what=f"{method} {path}", **kwargs
+            )
             if response.status_code >= 500:
                 if _replayed(response):
                     raise ReplayedFailure(

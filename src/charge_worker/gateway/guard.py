@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 import httpx
@@ -102,6 +102,22 @@ class Guarded:
                 return await request()
         except TimeoutError as error:
             raise OutcomeUnknown(f"gateway {what}: no answer within {self.timeout_s:g}s") from error
+
+
+async def answer(
+    client: httpx.AsyncClient, method: str, path: str, *, who: str, what: str, **kwargs: Any
+) -> httpx.Response:
+    """The answer to one request, whatever its status; the driver's errors as the domain's:
+    one that cannot have reached `who` (the provider's name) is `DependencyUnavailable`,
+    any other (a timeout, a reset after sending) an `OutcomeUnknown` naming `what`."""
+    try:
+        return await client.request(method, path, **kwargs)
+    except httpx.TransportError as error:
+        if never_sent(error):
+            raise DependencyUnavailable(f"{who} unreachable: {error}") from error
+        raise OutcomeUnknown(f"{who} {what}: {error!r}") from error
+    except httpx.HTTPError as error:
+        raise OutcomeUnknown(f"{who} {what}: {error!r}") from error
 
 
 def never_sent(error: BaseException) -> bool:

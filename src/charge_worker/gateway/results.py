@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from charge_worker.declines import AUTHENTICATION_CODES
+from charge_worker.messages import ChargeDue
 
 AUTHENTICATION_REQUIRED = "authentication_required"  # a decline: the bank wants the customer
 CARD_DECLINED = "card_declined"
@@ -118,6 +119,18 @@ class GatewayCharge:
             decline_code=code if status == "failed" and isinstance(code, str) and code else None,
             attempt=try_of(metadata),
         )
+
+
+def charge_metadata(charge: ChargeDue) -> dict[str, str]:
+    """The metadata every adapter puts on a try's charge: `order_id`, `billing_period`, and
+    `attempt` for a try `n >= 2` (try 1 is the request from before retries, unchanged)."""
+    metadata = {
+        "order_id": str(charge.order_id),
+        "billing_period": charge.billing_period.isoformat(),
+    }
+    if charge.attempt > 1:
+        metadata["attempt"] = str(charge.attempt)
+    return metadata
 
 
 def try_of(metadata: dict[str, Any]) -> int:

@@ -44,7 +44,12 @@ from charge_worker.errors import (
 from charge_worker.gateway import stripe_mapping as mapping
 from charge_worker.gateway.guard import BeforeSend, Guarded
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
-from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
+from charge_worker.gateway.results import (
+    ChargeResult,
+    GatewayCharge,
+    HistoryPage,
+    charge_metadata,
+)
 from charge_worker.gateway.stripe_http import OwnedHTTPClient
 from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
@@ -113,12 +118,7 @@ class StripeGateway(Guarded):
         card = await self._saved_card(charge.customer_id)
         if card is None:
             return ChargeResult("declined", None, decline_code=NO_PAYMENT_METHOD)
-        metadata = {
-            "order_id": str(charge.order_id),
-            "billing_period": charge.billing_period.isoformat(),
-        }
-        if charge.attempt > 1:  # try 1 is the request from before retries, unchanged
-            metadata["attempt"] = str(charge.attempt)
+        metadata = charge_metadata(charge)
         params: PaymentIntentCreateParams = {
             "amount": charge.amount_minor,
             "currency": charge.currency.lower(),

@@ -41,9 +41,14 @@ from charge_worker.errors import (
     SettingsError,
 )
 from charge_worker.gateway import yookassa_mapping as mapping
-from charge_worker.gateway.guard import BeforeSend, Guarded, never_sent
+from charge_worker.gateway.guard import BeforeSend, Guarded, answer
 from charge_worker.gateway.protocol import GatewayKind, HistoryOrder, WebhookScheme
-from charge_worker.gateway.results import ChargeResult, GatewayCharge, HistoryPage
+from charge_worker.gateway.results import (
+    ChargeResult,
+    GatewayCharge,
+    HistoryPage,
+    charge_metadata,
+)
 from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
@@ -125,12 +130,7 @@ class YooKassaGateway(Guarded):
                 f"Idempotence-Key {key!r} is over YooKassa's {MAX_KEY_LENGTH} characters"
                 " (a shorter CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX?)"
             )
-        metadata = {
-            "order_id": str(charge.order_id),
-            "billing_period": charge.billing_period.isoformat(),
-        }
-        if charge.attempt > 1:  # try 1 is the request from before retries, unchanged
-            metadata["attempt"] = str(charge.attempt)
+        metadata = charge_metadata(charge)
         body = {
             "amount": {"value": value, "currency": charge.currency},
             "capture": True,
@@ -261,14 +261,7 @@ class YooKassaGateway(Guarded):
         what = f"{method} /v3/payments/{{id}}" if named else f"{method} {path}"
 
         async def request() -> dict[str, Any]:
-            try:
-                response = await self.client.request(method, path, **kwargs)
-            except httpx.TransportError as error:
-                if never_sent(error):
-                    raise DependencyUnavailable(f"YooKassa unreachable: {error}") from error
-                raise OutcomeUnknown(f"YooKassa {what}: {error!r}") from error
-            except httpx.HTTPError as error:
-                raise OutcomeUnknown(f"YooKassa {what}: {error!r}") from error
+            response = await answer(self.client, method, path, who="YooKassa", what=what, **kwargs)
             try:
                 body = response.json()
             except ValueError:
