@@ -32,13 +32,14 @@ Our exception hierarchy::
     └── DeliveryRejected ......... a webhook delivery refused before anything was recorded
         ├── MalformedDelivery .... missing or malformed headers or body: 400
         ├── UnauthenticDelivery .. no valid signature, or a stale timestamp: 401
+        │   └── ForeignSource .... an unsigned delivery from outside the provider's networks: 403
         ├── DeliveryTooLarge ..... the body is over the limit: 413
         └── DeliveryTooSlow ...... the body did not arrive in time: 408
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 
 class ChargeWorkerError(Exception):
@@ -173,6 +174,25 @@ class UnauthenticDelivery(DeliveryRejected):
 
     status_code = 401
     result = "unauthorized"
+
+
+class Sender(Protocol):
+    """Where a delivery came from, as `ForeignSource` reads it (`webhooks.sources.Source`)."""
+
+    @property
+    def text(self) -> str:
+        """The sender's address as it was seen (bounded)."""
+        ...
+
+
+class ForeignSource(UnauthenticDelivery):
+    """A delivery from outside the provider's networks (counted as `unauthorized`)."""
+
+    status_code = 403
+
+    def __init__(self, source: Sender) -> None:
+        super().__init__(f"{source.text} is outside CHARGE_WORKER_WEBHOOK_SOURCE_NETWORKS")
+        self.source = source
 
 
 class DeliveryTooLarge(DeliveryRejected):

@@ -21,8 +21,8 @@ from charge_worker.ledger import Attempted, Ledger, Settlement
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import GatewaySettings
+from charge_worker.webhooks.bodies import parse_event
 from charge_worker.webhooks.processor import ProcessorTuning
-from charge_worker.webhooks.receiver import parse_event
 from charge_worker.webhooks.rules import state_of
 from charge_worker.webhooks.signature import Verifier, read_headers
 from tests.support.harness import eventually, set_sim

@@ -11,9 +11,9 @@ import pytest
 
 from charge_worker.errors import MalformedDelivery
 from charge_worker.gateway import GatewayCharge
+from charge_worker.webhooks.bodies import STRIPE_REVISION, journal_entry
 from charge_worker.webhooks.inbox import Job
 from charge_worker.webhooks.processor import refetched
-from charge_worker.webhooks.receiver import STRIPE_REVISION, journal_entry
 
 META = {"order_id": "7", "billing_period": "2026-12-01"}
 

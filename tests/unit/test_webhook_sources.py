@@ -13,17 +13,11 @@ from typing import Any
 
 import pytest
 
-from charge_worker.errors import MalformedDelivery, SettingsError
+from charge_worker.errors import ForeignSource, MalformedDelivery, SettingsError
 from charge_worker.settings import WebhookSettings, load_settings
-from charge_worker.webhooks.receiver import STRIPE_REVISION, journal_entry
+from charge_worker.webhooks.bodies import STRIPE_REVISION, journal_entry
 from charge_worker.webhooks.signature import verifier_for
-from charge_worker.webhooks.sources import (
-    ForeignSource,
-    SourceCheck,
-    inside,
-    parse_address,
-    source_of,
-)
+from charge_worker.webhooks.sources import SourceCheck, inside, parse_address, source_of
 
 YOOKASSA = SourceCheck.from_settings(WebhookSettings())
 PROXIES = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8"))

@@ -20,22 +20,12 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from charge_worker.errors import SettingsError, UnauthenticDelivery
+from charge_worker.errors import ForeignSource, SettingsError
 from charge_worker.settings import WebhookSettings
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 MAX_LOGGED = 64  # characters of a forwarded entry that is no address
-
-
-class ForeignSource(UnauthenticDelivery):
-    """A delivery from outside the provider's networks (counted as `unauthorized`)."""
-
-    status_code = 403
-
-    def __init__(self, source: Source) -> None:
-        super().__init__(f"{source.text} is outside CHARGE_WORKER_WEBHOOK_SOURCE_NETWORKS")
-        self.source = source
 
 
 @dataclass(frozen=True)
