@@ -39,7 +39,7 @@ Our exception hierarchy::
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 
 class ChargeWorkerError(Exception):
@@ -176,23 +176,14 @@ class UnauthenticDelivery(DeliveryRejected):
     result = "unauthorized"
 
 
-class Sender(Protocol):
-    """Where a delivery came from, as `ForeignSource` reads it (`webhooks.sources.Source`)."""
-
-    @property
-    def text(self) -> str:
-        """The sender's address as it was seen (bounded)."""
-        ...
-
-
 class ForeignSource(UnauthenticDelivery):
     """A delivery from outside the provider's networks (counted as `unauthorized`)."""
 
     status_code = 403
 
-    def __init__(self, source: Sender) -> None:
-        super().__init__(f"{source.text} is outside CHARGE_WORKER_WEBHOOK_SOURCE_NETWORKS")
-        self.source = source
+    def __init__(self, address: str) -> None:
+        super().__init__(f"{address} is outside CHARGE_WORKER_WEBHOOK_SOURCE_NETWORKS")
+        self.address = address  # as it was seen (bounded)
 
 
 class DeliveryTooLarge(DeliveryRejected):

@@ -123,7 +123,7 @@ def receiver(
             entry = journal_entry(source, scheme, body, signed_id)
         except DeliveryRejected as rejected:
             if isinstance(rejected, ForeignSource):
-                sender = {"address": rejected.source.text}
+                sender = {"address": rejected.address}
             metrics.deliveries.labels(source, rejected.result).inc()
             log.info(
                 "webhook.rejected",

@@ -95,5 +95,5 @@ class SourceCheck:
         """The source, when inside the networks; `ForeignSource` otherwise."""
         source = source_of(peer, forwarded_for, self.trusted_proxies)
         if not inside(source.address, self.networks):
-            raise ForeignSource(source)
+            raise ForeignSource(source.text)
         return source
