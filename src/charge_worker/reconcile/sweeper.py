@@ -222,6 +222,13 @@ class Sweeper:
             customer = found or self.customers.get(key)
         return await patiently(self.gateway.lookup, *key, customer_id=customer, since=since)
 
+    async def retrieve(self, charge_id: str) -> list[GatewayCharge]:
+        """The charge `charge_id` as the gateway holds it now (none: it has no such
+        charge), counted in the report as a lookup."""
+        self.report.lookups += 1
+        charge = await patiently(self.gateway.retrieve, charge_id)
+        return [] if charge is None else [charge]
+
     async def refund(self, charge_id: str) -> str:
         """Refund a proven double in full (`Idempotency-Key: refund:<charge id>`); a span
         `reconcile.refund` while tracing."""

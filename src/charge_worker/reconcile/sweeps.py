@@ -154,8 +154,12 @@ async def _ours(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayChar
     someone else with our metadata) are reported for a person and never recorded, so the
     row stays open and the due charge goes ahead."""
     ledger = proof.LedgerRow(row["status"], row["fingerprint"], row["gateway_charge_id"])
-    # the current try's charges: it began at `since` (an earlier try's ended in a decline)
-    found = await run.lookup(key, row["customer_id"], since=row["since"])
+    if row["status"] == "processing" and row["gateway_charge_id"]:
+        # the try's charge is known: read it, not every charge of the window (a provider
+        # that lists by time would page through the shop's whole month start for each row)
+        found = await run.retrieve(row["gateway_charge_id"])
+    else:  # the current try's charges: it began at `since` (an earlier try's was declined)
+        found = await run.lookup(key, row["customer_id"], since=row["since"])
     lookup = proof.split(found, ledger)
     if lookup.foreign:
         async with run.pool.acquire() as conn:
