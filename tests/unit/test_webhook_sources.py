@@ -271,6 +271,9 @@ def test_a_body_without_our_metadata_is_journaled_for_the_re_fetch_to_decide() -
         json.dumps(
             {"type": "notification", "event": "payment.succeeded", "object": {"id": 7}}
         ).encode(),
+        json.dumps(  # the id goes into the re-fetch's path: nothing but an id's characters
+            {"type": "notification", "event": "payment.succeeded", "object": {"id": "../v3/x"}}
+        ).encode(),
         json.dumps(
             {"type": "notification", "event": "refund.succeeded", "object": {"id": "rf-1"}}
         ).encode(),

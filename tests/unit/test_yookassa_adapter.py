@@ -151,6 +151,10 @@ async def test_an_answered_payment_is_a_result(
             errors.OutcomeUnknown,
         ),
         (httpx.Response(200, json=payment("refunded")), errors.OutcomeUnknown),  # no such status
+        (  # an amount is a string: a JSON number is no amount of YooKassa's
+            httpx.Response(200, json=payment(amount={"value": 990, "currency": "RUB"})),
+            errors.OutcomeUnknown,
+        ),
     ],
 )
 async def test_every_other_answer_is_its_domain_error(
@@ -193,13 +197,20 @@ async def test_a_charge_yookassa_could_not_take_as_asked_sends_nothing(
     assert sent == []
 
 
-async def test_a_key_over_yookassas_limit_sends_nothing() -> None:
+async def test_the_longest_key_a_charge_can_have_fits_with_the_longest_prefix() -> None:
     gateway, sent = adapter(
-        lambda _: httpx.Response(200, json=payment()), idempotency_key_prefix="p" * 32
+        lambda _: httpx.Response(200, json=payment()), idempotency_key_prefix="p" * 21
     )
-    with pytest.raises(errors.GatewayRejected, match="64 characters"):
-        await gateway.charge(due(order_id=10**18, attempt=12))
-    assert sent == []
+    await gateway.charge(due(order_id=2**63 - 1, attempt=1000))
+    assert len(sent[0].headers["Idempotence-Key"]) <= 64
+
+
+def test_a_prefix_that_leaves_a_refunds_key_over_64_characters_fails_at_start() -> None:
+    """`<prefix>refund:<payment id>` (a UUID, 36) must fit YooKassa's 64 characters, or no
+    double charge could ever be refunded."""
+    adapter(lambda _: httpx.Response(200), idempotency_key_prefix="p" * 21)
+    with pytest.raises(errors.SettingsError, match="CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX"):
+        adapter(lambda _: httpx.Response(200), idempotency_key_prefix="p" * 22)
 
 
 @pytest.mark.parametrize("credentials", ["test_secret", "shop:test_secret", "100500:"])
@@ -277,3 +288,38 @@ async def test_history_asks_for_the_window_and_hands_back_yookassas_cursor() -> 
     )
     assert (params["cursor"], params["limit"]) == ("c1", "3")
     assert (page.has_more, page.next_after) == (True, "opaque==")
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ({"id": "r-1", "status": "pending"}, "r-1"),  # under way: its key answers it again
+        ({"id": "r-1", "status": "canceled"}, errors.GatewayRejected),
+        ({"status": "succeeded"}, errors.OutcomeUnknown),
+        ({"id": "r-1", "status": "refunding?"}, errors.OutcomeUnknown),
+    ],
+)
+async def test_a_refunds_answer_is_read_not_assumed(
+    answer: dict[str, Any], expected: str | type[Exception]
+) -> None:
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=payment() if request.method == "GET" else answer)
+
+    gateway, _ = adapter(reply)
+    if isinstance(expected, str):
+        assert await gateway.refund(payment()["id"]) == expected
+    else:
+        with pytest.raises(expected):
+            await gateway.refund(payment()["id"])
+
+
+async def test_a_lookup_reads_only_the_payments_of_its_key() -> None:
+    """Another integration's payment on the shop may be shaped any way: a lookup reads a
+    payment in full only once its metadata names the key."""
+    theirs = {"id": "p-theirs", "status": "succeeded", "amount": {"value": 5}, "metadata": {}}
+    listed = {"type": "list", "items": [payment(), theirs]}
+    gateway, _ = adapter(lambda _: httpx.Response(200, json=listed))
+    found = await gateway.lookup(48291, dt.date(2026, 9, 1), since=dt.datetime.now(dt.UTC))
+    assert [c.id for c in found] == [payment()["id"]]
+    with pytest.raises(errors.OutcomeUnknown):  # history must read them all
+        await gateway.history(created_gte=0, created_lt=1)

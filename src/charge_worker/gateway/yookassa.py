@@ -20,8 +20,9 @@ official SDK).
 
 Every request carries HTTP Basic auth `<shopId>:<secret key>` (`GATEWAY_API_KEY`), spends
 a token of the fleet's rate and goes through the breaker under the deadline (`Guarded`).
-Every `Idempotence-Key` starts with `CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX` and is at most
-64 characters (YooKassa's limit). How each answer maps: `yookassa_mapping.py`.
+Every `Idempotence-Key` starts with `CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX`, short enough (21
+at most, checked at start) that every key fits YooKassa's 64 characters. How each answer
+maps: `yookassa_mapping.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -55,7 +57,11 @@ from charge_worker.ratelimit import RateLimiter
 from charge_worker.settings import GatewaySettings, require
 
 YOOKASSA_API = "https://api.yookassa.ru"
-MAX_KEY_LENGTH = 64  # YooKassa's limit on an Idempotence-Key
+# YooKassa's limit on an Idempotence-Key. The longest is a refund's, `refund:<payment id>`
+# (a UUID): a prefix that lets it fit lets every charge's fit too (at most 35 characters:
+# a bigint order id, the period, a try of at most 4 digits)
+MAX_KEY_LENGTH = 64
+PAYMENT_ID_LENGTH = 36
 # A period's payment is made once it is due: at its first day, or a little before when billed
 # ahead. A lookup told nothing more lists the shop's payments from this long before the
 # period's first day; told `since` (the ledger's try began then), from `since` less
@@ -90,6 +96,14 @@ class YooKassaGateway(Guarded):
                 "GATEWAY_API_KEY: for GATEWAY_KIND=yookassa, <shopId>:<secret key>"
                 " (HTTP Basic auth's pair: digits, a colon, the key)"
             )
+        refund_key = len(f"{cfg.idempotency_key_prefix}refund:") + PAYMENT_ID_LENGTH
+        if refund_key > MAX_KEY_LENGTH:
+            raise SettingsError(
+                "CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX: at most"
+                f" {MAX_KEY_LENGTH - refund_key + len(cfg.idempotency_key_prefix)} characters"
+                f" with GATEWAY_KIND=yookassa (a refund's key, refund:<payment id>, must fit"
+                f" YooKassa's {MAX_KEY_LENGTH})"
+            )
         super().__init__(cfg, limiter=limiter)
         token = base64.b64encode(credentials.encode()).decode()
         self.client = build_client(
@@ -114,7 +128,7 @@ class YooKassaGateway(Guarded):
         """One autopayment per key with the saved method `customer_id` names, captured at
         once; `before_send` awaited before it. Nothing is sent for a charge YooKassa could
         not take as asked (`GatewayRejected`): a method id it never mints, a currency ISO
-        4217 does not know, a key over its limit."""
+        4217 does not know."""
         if not PAYMENT_METHOD_ID.fullmatch(charge.customer_id):
             raise GatewayRejected(
                 f"customer_id {charge.customer_id[:80]!r} is no YooKassa payment_method_id"
@@ -124,21 +138,17 @@ class YooKassaGateway(Guarded):
             value = money.to_decimal_string(charge.amount_minor, charge.currency)
         except ValueError as error:
             raise GatewayRejected(f"amount: {error}") from error
-        key = f"{self.key_prefix}{charge.key}"
-        if len(key) > MAX_KEY_LENGTH:
-            raise GatewayRejected(
-                f"Idempotence-Key {key!r} is over YooKassa's {MAX_KEY_LENGTH} characters"
-                " (a shorter CHARGE_WORKER_IDEMPOTENCY_KEY_PREFIX?)"
-            )
         metadata = charge_metadata(charge)
         body = {
             "amount": {"value": value, "currency": charge.currency},
             "capture": True,
             "payment_method_id": charge.customer_id,
+            # part of the keyed body: a change of its words between releases makes a key
+            # in flight "duplicated" (rejected) when repeated; keep it as it is
             "description": f"Renewal {charge.order_id} {charge.billing_period.isoformat()}",
             "metadata": metadata,
         }
-        headers = {"Idempotence-Key": key}
+        headers = {"Idempotence-Key": f"{self.key_prefix}{charge.key}"}
         if traceparent:
             headers["traceparent"] = traceparent
         payment = await self._json(
@@ -157,21 +167,24 @@ class YooKassaGateway(Guarded):
         customer_id: str | None = None,
         since: dt.datetime | None = None,
     ) -> list[GatewayCharge]:
-        """Every payment of this period made since `since` (less `LOOKUP_MARGIN`), else
-        since `LOOKUP_LEAD` before the period (every try's), oldest first: the shop's
-        payments in that window, matched on their metadata. YooKassa has no search by
-        metadata: the window is the whole cost of a lookup."""
-        lead = dt.datetime.combine(billing_period - LOOKUP_LEAD, dt.time(), dt.UTC)
-        since = lead if since is None else max(lead, since - LOOKUP_MARGIN)
+        """The period's payments made since `since` (less `LOOKUP_MARGIN`), else since
+        `LOOKUP_LEAD` before the period, oldest first: the shop's payments in that window,
+        matched on their metadata (each read in full only once it matched: another
+        integration's payment need not be readable). YooKassa has no search by metadata:
+        the window is the whole cost of a lookup."""
+        if since is None:
+            since = dt.datetime.combine(billing_period - LOOKUP_LEAD, dt.time(), dt.UTC)
+        else:
+            since -= LOOKUP_MARGIN
         params = {"created_at.gte": mapping.iso(int(since.timestamp())), "limit": "100"}
-        wanted = (str(order_id), billing_period.isoformat())
+        wanted = {"order_id": str(order_id), "billing_period": billing_period.isoformat()}
         found: list[GatewayCharge] = []
         for _ in range(LOOKUP_MAX_PAGES):
-            page = await self._page(params)
-            found += [c for c in page.charges if (c.order_id, c.billing_period) == wanted]
-            if not page.has_more or page.cursor is None:
+            items, cursor = await self._list(params)
+            found += self._read(item for item in items if mapping.metadata_matches(item, wanted))
+            if cursor is None:
                 return found[::-1]
-            params["cursor"] = page.cursor
+            params["cursor"] = cursor
         raise OutcomeUnknown(
             f"the shop has over {LOOKUP_MAX_PAGES * 100} payments since {since.date()}:"
             f" the lookup of {order_id}:{billing_period} stopped"
@@ -216,7 +229,7 @@ class YooKassaGateway(Guarded):
             },
             headers={"Idempotence-Key": f"{self.key_prefix}refund:{charge_id}"},
         )
-        return str(refund.get("id") or "")
+        return mapping.refund_id(refund)
 
     async def retrieve(self, charge_id: str) -> GatewayCharge | None:
         """The payment as YooKassa holds it now (None: no such payment)."""
@@ -237,14 +250,24 @@ class YooKassaGateway(Guarded):
         return True
 
     async def _page(self, params: dict[str, str]) -> HistoryPage:
+        items, cursor = await self._list(params)
+        return HistoryPage(self._read(items), cursor is not None, cursor=cursor)
+
+    async def _list(self, params: dict[str, str]) -> tuple[list[Any], str | None]:
+        """One page of `GET /v3/payments`: its items, and the next page's cursor (None:
+        the last page)."""
         data = await self._json("GET", "/v3/payments", params=params)
+        items, cursor = data.get("items"), data.get("next_cursor")
+        if not isinstance(items, list):
+            raise OutcomeUnknown("unreadable YooKassa payment list: no items")
+        return items, str(cursor) if cursor else None
+
+    @staticmethod
+    def _read(items: Iterable[Any]) -> list[GatewayCharge]:
         try:
-            charges = [mapping.gateway_charge(item) for item in data["items"]]
-        except (KeyError, TypeError, mapping.Unreadable) as error:
-            raise OutcomeUnknown(f"unreadable YooKassa payment list: {error!r}") from error
-        cursor = data.get("next_cursor")
-        cursor = str(cursor) if cursor else None
-        return HistoryPage(charges, cursor is not None, cursor=cursor)
+            return [mapping.gateway_charge(item) for item in items]
+        except mapping.Unreadable as error:
+            raise OutcomeUnknown(f"unreadable YooKassa payment list: {error}") from error
 
     async def _json(
         self,

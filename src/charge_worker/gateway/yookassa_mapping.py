@@ -43,6 +43,7 @@ from charge_worker.gateway.guard import retry_after
 from charge_worker.gateway.results import ChargeResult, GatewayCharge, try_of
 
 IN_PROGRESS_RETRY_S = 2.0  # a 202 without `retry_after`
+REFUND_TAKEN = frozenset({"succeeded", "pending"})
 MAX_IN_PROGRESS_RETRY_S = 60.0
 # a payment's status -> the charge's (`GatewayCharge.status`)
 STATUS = {
@@ -62,12 +63,12 @@ def gateway_charge(payment: dict[str, Any]) -> GatewayCharge:
     try:
         amount = payment["amount"]
         currency = str(amount["currency"]).upper()
-        value = money.from_decimal_string(str(amount["value"]), currency)
+        value = money.from_decimal_string(_string(amount["value"]), currency)
         refunded = payment.get("refunded_amount") or {"value": None}
         refunded_value = (
             0
             if refunded.get("value") is None
-            else money.from_decimal_string(str(refunded["value"]), currency)
+            else money.from_decimal_string(_string(refunded["value"]), currency)
         )
         status = STATUS[str(payment["status"])]
         metadata = payment.get("metadata") or {}
@@ -149,6 +150,32 @@ def iso(unix_s: int) -> str:
     """Unix seconds as YooKassa's filters take a moment: ISO 8601 UTC, milliseconds, `Z`."""
     moment = dt.datetime.fromtimestamp(unix_s, dt.UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def metadata_matches(payment: object, wanted: Mapping[str, str]) -> bool:
+    """A listed payment's metadata carries every item of `wanted` (read loosely: a payment
+    of another integration may be shaped any way)."""
+    metadata = payment.get("metadata") if isinstance(payment, dict) else None
+    return isinstance(metadata, dict) and all(metadata.get(k) == v for k, v in wanted.items())
+
+
+def refund_id(refund: dict[str, Any]) -> str:
+    """A refund's answer: its id once YooKassa took it (`succeeded`, or `pending`: under
+    way, and a retry under its key answers it again); `canceled` is a refusal."""
+    found, status = refund.get("id"), refund.get("status")
+    if status == "canceled":
+        reason = (refund.get("cancellation_details") or {}).get("reason")
+        raise GatewayRejected(f"YooKassa canceled the refund {found}: {reason}")
+    if not isinstance(found, str) or not found or status not in REFUND_TAKEN:
+        raise OutcomeUnknown(f"YooKassa answered a refund with {str(refund)[:200]}")
+    return found
+
+
+def _string(value: object) -> str:
+    """A money value as YooKassa sends one: a string, never a JSON number."""
+    if not isinstance(value, str):
+        raise TypeError(f"an amount's value {value!r} is not a string")
+    return value
 
 
 def _text(value: object) -> str | None:

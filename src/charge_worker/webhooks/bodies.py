@@ -25,7 +25,7 @@ to say (its metadata): the processor marks a payment of another integration `ign
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -51,6 +51,9 @@ YOOKASSA_EVENT_TYPES = {
     "payment.canceled": "charge.failed",
     "refund.succeeded": "charge.refunded",
 }
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class _Model(BaseModel):
@@ -87,14 +90,19 @@ class GatewayEvent(_Model):
         return _key_of(self.data.object.metadata)
 
 
-def parse_event(body: bytes) -> GatewayEvent:
-    """The event, or `MalformedDelivery` saying what is wrong (no body text in it)."""
+def _parsed(model: type[M], body: bytes, what: str) -> M:
+    """`body` as `model`, or `MalformedDelivery` saying what is wrong (no body text in it)."""
     try:
-        return GatewayEvent.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise MalformedDelivery(f"not a gateway event: {where}: {first['msg']}") from error
+        raise MalformedDelivery(f"not {what}: {where}: {first['msg']}") from error
+
+
+def parse_event(body: bytes) -> GatewayEvent:
+    """The event, or `MalformedDelivery` saying what is wrong."""
+    return _parsed(GatewayEvent, body, "a gateway event")
 
 
 class StripeObject(_Model):
@@ -131,20 +139,19 @@ class StripeEvent(_Model):
 
 
 def parse_stripe_event(body: bytes) -> StripeEvent:
-    """The Stripe event, or `MalformedDelivery` saying what is wrong (no body text in it)."""
-    try:
-        return StripeEvent.model_validate_json(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise MalformedDelivery(f"not a Stripe event: {where}: {first['msg']}") from error
+    """The Stripe event, or `MalformedDelivery` saying what is wrong."""
+    return _parsed(StripeEvent, body, "a Stripe event")
+
+
+# a YooKassa object's id (a UUID): it goes into the re-fetch's path, so nothing else
+YooKassaId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
 class YooKassaObject(_Model):
     """A notification's object: a payment, or a refund naming its payment (`payment_id`)."""
 
-    id: Id
-    payment_id: Id | None = None
+    id: YooKassaId
+    payment_id: YooKassaId | None = None
 
 
 class YooKassaNotification(_Model):
@@ -156,13 +163,8 @@ class YooKassaNotification(_Model):
 
 
 def parse_notification(body: bytes) -> YooKassaNotification:
-    """The notification, or `MalformedDelivery` saying what is wrong (no body text in it)."""
-    try:
-        return YooKassaNotification.model_validate_json(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise MalformedDelivery(f"not a YooKassa notification: {where}: {first['msg']}") from error
+    """The notification, or `MalformedDelivery` saying what is wrong."""
+    return _parsed(YooKassaNotification, body, "a YooKassa notification")
 
 
 def _yookassa_entry(source: str, body: bytes) -> Entry | None:

@@ -39,6 +39,7 @@ from charge_worker.errors import (
     DependencyUnavailable,
     ForeignSource,
     MalformedDelivery,
+    SettingsError,
 )
 from charge_worker.webhooks.bodies import journal_entry
 from charge_worker.webhooks.inbox import Inbox
@@ -106,7 +107,8 @@ def receiver(
 ) -> Callable[[Request], Awaitable[Response]]:
     """The endpoint for one source's webhooks: signed ones checked by `verifier`, unsigned
     ones (`verifier=None`) by where they come from (`sources`)."""
-    assert verifier is not None or sources is not None, "an endpoint that admits anyone"
+    if verifier is None and sources is None:
+        raise SettingsError("the webhook receiver has neither a secret nor source networks")
 
     @tracing.served("POST", f"/webhooks/{source}")
     async def receive(request: Request) -> Response:

@@ -58,7 +58,7 @@ YOO_KASSA_REASONS = frozenset(
 MERCHANT_REASONS = frozenset({"canceled_by_merchant"})
 STATUS = {"succeeded": "succeeded", "failed": "canceled", "processing": "pending"}
 LIST_STATUSES = frozenset({"pending", "waiting_for_capture", "succeeded", "canceled"})
-_NUMBER = r"(?:0|[1-9]\d{0,11})"
+_NUMBER = r"(?:0|[1-9][0-9]{0,11})"
 
 
 class YooKassaError(Exception):
@@ -127,7 +127,7 @@ def parse_money(body: Mapping[str, Any], name: str) -> tuple[int, str]:
     if not isinstance(currency, str) or currency not in EXPONENTS:
         raise invalid(f"{name}.currency is not a supported ISO 4217 code", f"{name}.currency")
     exponent = EXPONENTS[currency]
-    shape = _NUMBER + (rf"\.\d{{{exponent}}}" if exponent else "")
+    shape = _NUMBER + (rf"\.[0-9]{{{exponent}}}" if exponent else "")
     if not isinstance(value, str) or not re.fullmatch(shape, value):
         digits = f"{exponent} digits after the point" if exponent else "no fraction"
         raise invalid(
