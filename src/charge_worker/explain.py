@@ -77,10 +77,8 @@ async def explain_command(
                 # Stripe lists charges per customer, and only the ledger row names it
                 click.echo("the gateway was not asked: no ledger row names the customer", err=True)
             else:
-                # every try's charges: none is older than the row
-                since = row["created_at"] if row is not None else None
                 found = await gateway.lookup(
-                    order_id, billing_period, customer_id=customer, since=since
+                    order_id, billing_period, customer_id=customer, since=_since(row)
                 )
                 at_gateway = [asdict(c) for c in found]
         finally:
@@ -272,3 +270,12 @@ def describe(event: events.Event) -> str:
     if d.get("error"):
         parts.append(str(d["error"]))
     return "; ".join(parts)
+
+
+def _since(row: Any) -> dt.datetime | None:
+    """No charge of the period, of any try, is older than its row or its due moment (a row
+    made again after a failover is younger than its charges); None without a row."""
+    if row is None:
+        return None
+    moments: list[dt.datetime] = [m for m in (row["created_at"], row["due_at"]) if m is not None]
+    return min(moments)

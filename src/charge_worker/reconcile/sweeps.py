@@ -70,7 +70,7 @@ coalesce({_NEWEST} > $2 AND {_NEWEST} >= $3 AND NOT {_NEWEST} = ANY($4::bigint[]
 _QUIET = f"""
 SELECT order_id, billing_period, subscription_id, customer_id, amount_minor, currency,
        due_at, status, attempt, updated_at, traceparent, fingerprint, gateway_charge_id,
-       current_try, coalesce(try_started_at, created_at) AS since
+       current_try, least(created_at, due_at) AS since
   FROM charge_attempts {_OPEN_AND_QUIET} AND NOT {_WAITING}
    AND (updated_at, order_id, billing_period) > ($5, $6, $7)
  ORDER BY updated_at, order_id, billing_period LIMIT $8
@@ -154,17 +154,29 @@ async def _ours(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayChar
     someone else with our metadata) are reported for a person and never recorded, so the
     row stays open and the due charge goes ahead."""
     ledger = proof.LedgerRow(row["status"], row["fingerprint"], row["gateway_charge_id"])
-    if row["status"] == "processing" and row["gateway_charge_id"]:
-        # the try's charge is known: read it, not every charge of the window (a provider
-        # that lists by time would page through the shop's whole month start for each row)
-        found = await run.retrieve(row["gateway_charge_id"])
-    else:  # the current try's charges: it began at `since` (an earlier try's was declined)
+    found = await _recorded(run, key, row)
+    if found is None:  # the charges made since the row's `since` (its query says which)
         found = await run.lookup(key, row["customer_id"], since=row["since"])
     lookup = proof.split(found, ledger)
     if lookup.foreign:
         async with run.pool.acquire() as conn:
             await run.for_a_person(conn, key, ledger, lookup.foreign)
     return lookup.ours
+
+
+async def _recorded(run: Sweeper, key: Key, row: asyncpg.Record) -> list[GatewayCharge] | None:
+    """A `processing` row's charge, read by the id the row recorded, where the provider
+    reads charges by id: not every charge of the window (a provider that lists by time
+    would page through a month start's payments for each row). None, for a lookup
+    instead: no such row or provider, or a charge that is not this key's current try's."""
+    charge_id = row["gateway_charge_id"]
+    if row["status"] != "processing" or not charge_id or run.gateway.webhook_scheme == "standard":
+        return None
+    found = await run.retrieve(charge_id)
+    ours = (str(key[0]), key[1].isoformat(), row["current_try"])
+    if [(c.order_id, c.billing_period, c.attempt) for c in found] != [ours]:
+        return None
+    return found
 
 
 async def _resolve(run: Sweeper, key: Key, row: asyncpg.Record) -> None:
