@@ -287,6 +287,23 @@ async def test_money_of_any_try_found_settles_the_period(
     assert report.counts.refunds == 0
 
 
+async def test_a_processing_row_is_settled_by_a_lookup_where_the_provider_reads_no_id(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """The contract's webhooks may leave a row `processing` (`charge.processing`), and the
+    contract has no read by id: reconcile looks the key up, as before it read charges by id
+    where a provider can."""
+    made = await charged(gateway_sim.url, 3, 1)
+    await put_row(conn, 3, "processing", try_no=1, charge_id=made)
+
+    report = await run_reconcile(settings)
+
+    assert {f.key: f.action for f in report.findings["unknown_outcomes"]} == {
+        key(3): "recorded succeeded"
+    }
+    assert (await row(conn, 3))["status"] == "succeeded"
+
+
 # --- 2. money for a period the ledger said no to, or waits to try again -------------------
 
 
