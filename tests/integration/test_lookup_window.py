@@ -11,11 +11,16 @@ from collections.abc import Iterator
 
 import asyncpg
 import pytest
+from nats.aio.client import Client
 
 from charge_worker.gateway.results import GatewayCharge
 from charge_worker.gateway.yookassa import LOOKUP_MARGIN, YooKassaGateway
 from charge_worker.messages import ChargeDue
+from charge_worker.reconcile.run import run_reconcile
+from charge_worker.sandbox.serve import ServedApp
+from charge_worker.settings import NatsSettings, Settings
 from charge_worker.worker.decisions import Outcome
+from tests.support.harness import provisioned, settings_for
 from tests.support.pipelines import process_once
 from tests.support.providers import Provider, provider
 
@@ -96,3 +101,58 @@ async def test_the_adapter_lists_from_the_tries_start_less_its_margin(sim: Provi
     # a database clock running ahead of YooKassa's by less than the margin still finds it
     assert [c.id for c in within] == [made.charge_id]
     assert after == []  # a charge before the try's start is not the try's
+
+
+@pytest.fixture
+def settings(
+    nats_settings: NatsSettings, database_url: str, sim: Provider, scoring_sim: ServedApp
+) -> Settings:
+    return settings_for(
+        nats_settings,
+        database_url,
+        sim.url,
+        scoring_sim.url,
+        kind="yookassa",
+        api_key=sim.api_key,
+        reconcile_quiet_s=0.01,
+    )
+
+
+async def test_a_row_made_again_after_a_failover_finds_the_payment_older_than_it(
+    nc: Client, settings: Settings, pool: asyncpg.Pool, sim: Provider
+) -> None:
+    """A failover lost the row and its message; `produce` made the row again, hours after
+    the payment (here: a row dated two hours ahead). Reconcile's lost-messages sweep looks
+    from the period's due moment, not the row's birth, so it records the payment instead of
+    sending the charge out again (a second payment once YooKassa forgot the key)."""
+    await provisioned(nc, settings)
+    gateway = sim.gateway()
+    try:
+        made = await gateway.charge(CHARGE)
+    finally:
+        await gateway.aclose()
+    await pool.execute(
+        """
+        INSERT INTO charge_attempts (order_id, billing_period, idempotency_key,
+            subscription_id, customer_id, amount_minor, currency, due_at, status,
+            created_at, updated_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'scheduled', now() + interval '2 hours',
+                now() - interval '1 minute')
+        """,
+        CHARGE.order_id,
+        CHARGE.billing_period,
+        CHARGE.key,
+        CHARGE.subscription_id,
+        CHARGE.customer_id,
+        CHARGE.amount_minor,
+        CHARGE.currency,
+        CHARGE.due_at,
+    )
+
+    report = await run_reconcile(settings)
+
+    row = await pool.fetchrow("SELECT status, gateway_charge_id FROM charge_attempts")
+    assert row is not None
+    assert (row["status"], row["gateway_charge_id"]) == ("succeeded", made.charge_id)
+    assert report.counts.republished == 0
+    assert await sim.made() == {CHARGE.key: 1}
