@@ -136,6 +136,10 @@ async def declined(gateway_url: str, order_id: int, try_no: int, customer: str) 
     return str(response.json()["error"]["charge"])
 
 
+# a sweep last looked at the row this long ago
+LOOKED_AT = "UPDATE charge_attempts SET updated_at = now() - $2::interval WHERE order_id = $1"
+
+
 async def row(conn: asyncpg.Connection, order_id: int) -> dict[str, Any]:
     found = await conn.fetchrow(
         """
@@ -295,6 +299,7 @@ async def test_a_processing_row_is_settled_by_a_lookup_where_the_provider_reads_
     where a provider can."""
     made = await charged(gateway_sim.url, 3, 1)
     await put_row(conn, 3, "processing", try_no=1, charge_id=made)
+    await conn.execute(LOOKED_AT, 3, dt.timedelta(days=2))
 
     report = await run_reconcile(settings)
 
@@ -302,6 +307,25 @@ async def test_a_processing_row_is_settled_by_a_lookup_where_the_provider_reads_
         key(3): "recorded succeeded"
     }
     assert (await row(conn, 3))["status"] == "succeeded"
+
+
+async def test_a_processing_row_is_looked_at_again_after_gaps_that_grow_with_its_age(
+    settings: Settings, conn: asyncpg.Connection, gateway_sim: ServedApp
+) -> None:
+    """A quarter of its try's age, at least the quiet time, at most a day: a row processing
+    for 3 days and looked at an hour ago waits (18 h); one looked at a day ago does not."""
+    for order_id in (4, 5):
+        made = await charged(gateway_sim.url, order_id, 1)
+        await put_row(conn, order_id, "processing", try_no=1, charge_id=made)  # 3 days old
+    await conn.execute(LOOKED_AT, 4, dt.timedelta(hours=1))
+    await conn.execute(LOOKED_AT, 5, dt.timedelta(days=1))
+
+    report = await run_reconcile(settings)
+
+    assert {f.key: f.action for f in report.findings["unknown_outcomes"]} == {
+        key(5): "recorded succeeded"
+    }
+    assert [(await row(conn, n))["status"] for n in (4, 5)] == ["processing", "succeeded"]
 
 
 # --- 2. money for a period the ledger said no to, or waits to try again -------------------

@@ -45,13 +45,19 @@ from charge_worker.retries.schedule import DECLINE_STATES, after_decline
 
 FIRST = (dt.datetime.min.replace(tzinfo=dt.UTC), 0, dt.date.min)  # before every keyset
 
+# A `processing` row is looked at again after growing gaps: a quarter of its try's age, at
+# least the quiet time and at most a day (a card payment settles in seconds, a bank debit in
+# days: no sweep asks about it every 15 minutes for a week).
 _UNKNOWN = """
 SELECT order_id, billing_period, attempt, updated_at, status, customer_id, fingerprint,
        gateway_charge_id, current_try, coalesce(try_started_at, created_at) AS since
   FROM charge_attempts
  WHERE ((status = 'pending' AND gateway_calls > 0) OR status = 'processing')
    AND (lease_until IS NULL OR lease_until < now())
-   AND updated_at < now() - make_interval(secs => $1)
+   AND updated_at < now() - CASE WHEN status = 'pending' THEN make_interval(secs => $1)
+       ELSE greatest(make_interval(secs => $1),
+                     least((now() - coalesce(try_started_at, created_at)) / 4, '1 day'))
+       END
    AND (updated_at, order_id, billing_period) > ($2, $3, $4)
  ORDER BY updated_at, order_id, billing_period LIMIT $5
 """
