@@ -20,7 +20,7 @@ from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
 from charge_worker.worker.decisions import Outcome
-from tests.support.harness import provisioned, settings_for
+from tests.support.harness import provisioned
 from tests.support.pipelines import process_once
 from tests.support.providers import Provider, provider
 
@@ -107,15 +107,7 @@ async def test_the_adapter_lists_from_the_tries_start_less_its_margin(sim: Provi
 def settings(
     nats_settings: NatsSettings, database_url: str, sim: Provider, scoring_sim: ServedApp
 ) -> Settings:
-    return settings_for(
-        nats_settings,
-        database_url,
-        sim.url,
-        scoring_sim.url,
-        kind="yookassa",
-        api_key=sim.api_key,
-        reconcile_quiet_s=0.01,
-    )
+    return sim.worker_settings(nats_settings, database_url, scoring_sim.url, reconcile_quiet_s=0.01)
 
 
 async def test_a_row_made_again_after_a_failover_finds_the_payment_older_than_it(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import time
 
-import asyncpg
 import httpx
 from nats.aio.client import Client
 
@@ -27,18 +26,10 @@ from tests.support.harness import (
     publish,
     running_worker,
     settings_for,
+    statuses,
 )
 
 NOW = dt.datetime(2026, 12, 1, 3, 0, tzinfo=dt.UTC)
-
-
-async def statuses(database_url: str) -> dict[int, str]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        rows = await conn.fetch("SELECT order_id, status FROM charge_attempts")
-    finally:
-        await conn.close()
-    return {row["order_id"]: row["status"] for row in rows}
 
 
 async def a_whole_fetch(worker: RunningWorker) -> None:

@@ -25,7 +25,6 @@ from tests.support.harness import (
     provisioned,
     publish,
     running_worker,
-    settings_for,
 )
 from tests.support.providers import Provider, provider
 
@@ -42,13 +41,8 @@ def stripe_sim() -> Iterator[Provider]:
 def settings(
     nats_settings: NatsSettings, database_url: str, stripe_sim: Provider, scoring_sim: ServedApp
 ) -> Settings:
-    return settings_for(
-        nats_settings,
-        database_url,
-        stripe_sim.url,
-        scoring_sim.url,
-        kind="stripe",
-        reconcile_quiet_s=0.01,
+    return stripe_sim.worker_settings(
+        nats_settings, database_url, scoring_sim.url, reconcile_quiet_s=0.01
     )
 
 

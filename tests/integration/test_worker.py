@@ -38,6 +38,7 @@ from tests.support.harness import (
     running_worker,
     set_sim,
     settings_for,
+    statuses,
 )
 
 
@@ -46,15 +47,6 @@ def settings(
     nats_settings: NatsSettings, database_url: str, gateway_sim: ServedApp, scoring_sim: ServedApp
 ) -> Settings:
     return settings_for(nats_settings, database_url, gateway_sim.url, scoring_sim.url)
-
-
-async def statuses(database_url: str) -> dict[int, str]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        rows = await conn.fetch("SELECT order_id, status FROM charge_attempts")
-    finally:
-        await conn.close()
-    return {row["order_id"]: row["status"] for row in rows}
 
 
 def settled(database_url: str, count: int) -> Callable[[], Awaitable[bool]]:

@@ -26,7 +26,6 @@ from tests.support.harness import (
     provisioned,
     publish,
     running_worker,
-    settings_for,
 )
 from tests.support.providers import Provider, provider
 
@@ -53,14 +52,8 @@ def settings(
     yookassa_sim: Provider,
     scoring_sim: ServedApp,
 ) -> Settings:
-    return settings_for(
-        nats_settings,
-        database_url,
-        yookassa_sim.url,
-        scoring_sim.url,
-        kind="yookassa",
-        api_key=yookassa_sim.api_key,
-        reconcile_quiet_s=0.01,
+    return yookassa_sim.worker_settings(
+        nats_settings, database_url, scoring_sim.url, reconcile_quiet_s=0.01
     )
 
 

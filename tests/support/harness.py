@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -133,6 +134,16 @@ async def consumer_idle(nc: Client, cfg: NatsSettings) -> bool:
     """Nothing left for the durable consumer: none pending, none awaiting an ack."""
     info = await nc.jetstream().consumer_info(cfg.stream, cfg.durable)
     return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def statuses(database_url: str) -> dict[int, str]:
+    """Every ledger row's status, by order id."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT order_id, status FROM charge_attempts")
+    finally:
+        await conn.close()
+    return {row["order_id"]: row["status"] for row in rows}
 
 
 async def dead_letters_at_least(nc: Client, cfg: NatsSettings, count: int = 1) -> bool:

@@ -22,7 +22,8 @@ from charge_worker.gateway import Gateway, build_gateway
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
-from charge_worker.settings import GatewaySettings
+from charge_worker.settings import GatewaySettings, NatsSettings, Settings
+from tests.support.harness import settings_for
 
 Flavour = Literal["contract", "stripe", "yookassa"]
 FLAVOURS: tuple[Flavour, ...] = ("contract", "stripe", "yookassa")
@@ -94,6 +95,21 @@ class Provider:
             "gateway_timeout_s": 5.0,
         }
         return GatewaySettings(**(values | overrides))
+
+    def worker_settings(
+        self, nats: NatsSettings, database_url: str, scoring_url: str, **overrides: Any
+    ) -> Settings:
+        """The harness's test settings (`settings_for`) with this flavour's adapter and
+        credentials; `overrides` are field=value of any group."""
+        return settings_for(
+            nats,
+            database_url,
+            self.url,
+            scoring_url,
+            kind=self.flavour,
+            api_key=self.api_key,
+            **overrides,
+        )
 
     def gateway(self, *, limiter: RateLimiter | None = None, **overrides: Any) -> Gateway:
         """The adapter of this flavour, built the way the commands build it."""

@@ -77,6 +77,7 @@ class ContractGateway(Guarded):
     kind: GatewayKind = "contract"
     history_order: HistoryOrder = "oldest_first"
     webhook_scheme: WebhookScheme = "standard"
+    reads_by_id = False
 
     def __init__(
         self,

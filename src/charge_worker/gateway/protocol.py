@@ -10,8 +10,9 @@ need of a payment provider, and what every adapter guarantees (docs/adapters.md)
 |            | one made by a call whose answer was lost a moment ago                      |
 | `history`  | every charge created in a window, a page at a time, in `history_order`     |
 | `refund`   | a full refund, once per charge (`refund:<charge id>`); "already" if done   |
-| `retrieve` | the charge object now, by the provider's id (webhooks that carry no        |
-|            | revision are applied from it)                                              |
+| `retrieve` | the charge object now, by the provider's id, where `reads_by_id` (webhooks |
+|            | that carry no revision are applied from it; reconcile reads a `processing` |
+|            | row's charge by it)                                                        |
 
 A charge may make reads first (Stripe: the saved card); its one request that can move money
 is preceded by `before_send`, so the worker checks its lease against that request alone.
@@ -47,6 +48,8 @@ class Gateway(Protocol):
     history_order: HistoryOrder
     # how the provider signs its webhooks, and whether their objects must be re-fetched
     webhook_scheme: WebhookScheme
+    # `retrieve` works: the provider reads a charge by its id (the contract has no such read)
+    reads_by_id: bool
     limiter: RateLimiter
     breaker: Breaker
 

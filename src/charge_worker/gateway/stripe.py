@@ -71,6 +71,7 @@ class StripeGateway(Guarded):
     kind: GatewayKind = "stripe"
     history_order: HistoryOrder = "newest_first"
     webhook_scheme: WebhookScheme = "stripe"
+    reads_by_id = True
 
     def __init__(
         self,

@@ -80,6 +80,7 @@ class YooKassaGateway(Guarded):
     kind: GatewayKind = "yookassa"
     history_order: HistoryOrder = "newest_first"
     webhook_scheme: WebhookScheme = "yookassa"
+    reads_by_id = True
 
     def __init__(
         self,

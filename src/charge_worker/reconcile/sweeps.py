@@ -176,7 +176,7 @@ async def _recorded(run: Sweeper, key: Key, row: asyncpg.Record) -> list[Gateway
     would page through a month start's payments for each row). None, for a lookup
     instead: no such row or provider, or a charge that is not this key's current try's."""
     charge_id = row["gateway_charge_id"]
-    if row["status"] != "processing" or not charge_id or run.gateway.webhook_scheme == "standard":
+    if row["status"] != "processing" or not charge_id or not run.gateway.reads_by_id:
         return None
     found = await run.retrieve(charge_id)
     ours = (str(key[0]), key[1].isoformat(), row["current_try"])
