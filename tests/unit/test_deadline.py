@@ -95,7 +95,7 @@ async def test_many_calls_share_the_timer_and_only_the_late_ones_fire() -> None:
 
 
 def test_a_timer_left_on_a_closed_loop_does_not_disarm_the_next_loop() -> None:
-    deadlines = Deadlines(FAST)
+    deadlines = Deadlines(3600)  # the first loop's timer must not fire before that loop closes
     abandoned_calls: list[asyncio.Task[None]] = []
 
     async def abandoned() -> None:  # its loop closes while the call is under way
@@ -112,5 +112,6 @@ def test_a_timer_left_on_a_closed_loop_does_not_disarm_the_next_loop() -> None:
 
     asyncio.run(abandoned())
     assert deadlines.timer is not None
+    deadlines.resolution_s = FAST
     with pytest.raises(TimeoutError, match="no answer within"):  # not wait_for's
         asyncio.run(asyncio.wait_for(late(), 30))  # 30 s: a hang guard, not a measurement
