@@ -190,6 +190,11 @@ class GatewaySettings(_EnvGroup):
     gateway_max_connections: int = Field(100, ge=1)
     gateway_rate_limit: float = Field(0.0, ge=0)  # requests per second, the whole fleet; 0: off
 
+    def required_api_key(self) -> str:
+        """The key an adapter authenticates with; `SettingsError` naming the variable when
+        it is not set."""
+        return require(self.api_key.get_secret_value() if self.api_key else "", "GATEWAY_API_KEY")
+
     @field_validator("url")
     @classmethod
     def _tls_unless_loopback(cls, value: str | None) -> str | None:

@@ -13,7 +13,6 @@ import pytest
 from nats.aio.client import Client
 
 from charge_worker.explain import explain_command
-from charge_worker.messages import ChargeDue
 from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
@@ -108,13 +107,7 @@ async def test_worker_explain_and_reconcile_on_stripe(
         return (await stripe_sim.made())["4:2026-12-01"] == 1
 
     await eventually(debit_settled, "the bank debit settled at the simulator")
-    await stripe_sim.configure(idempotency_enabled=False)  # a double of key 1 (no key check)
-    gateway = stripe_sim.gateway()
-    try:
-        await gateway.charge(ChargeDue.model_validate_json(due(1, "cus_ok")))
-    finally:
-        await gateway.aclose()
-    await stripe_sim.configure(idempotency_enabled=True)
+    await stripe_sim.charge_again(due(1, "cus_ok"))  # a double of key 1
 
     report = await run_reconcile(settings)
 

@@ -14,7 +14,6 @@ import pytest
 from nats.aio.client import Client
 
 from charge_worker.explain import explain_command
-from charge_worker.messages import ChargeDue
 from charge_worker.reconcile.run import run_reconcile
 from charge_worker.sandbox.serve import ServedApp
 from charge_worker.settings import NatsSettings, Settings
@@ -112,13 +111,7 @@ async def test_worker_explain_and_reconcile_on_yookassa(
         return (await yookassa_sim.made())["5:2026-12-01"] == 1
 
     await eventually(settled_at_the_provider, "the pending payment succeeded at YooKassa")
-    await yookassa_sim.configure(idempotency_enabled=False)  # a double of key 1
-    gateway = yookassa_sim.gateway()
-    try:
-        await gateway.charge(ChargeDue.model_validate_json(due(1, "cus_ok")))
-    finally:
-        await gateway.aclose()
-    await yookassa_sim.configure(idempotency_enabled=True)
+    await yookassa_sim.charge_again(due(1, "cus_ok"))  # a double of key 1
 
     report = await run_reconcile(settings)
 

@@ -19,6 +19,7 @@ import httpx
 from pydantic import SecretStr
 
 from charge_worker.gateway import Gateway, build_gateway
+from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
 from charge_worker.sandbox.gateway.app import GatewayConfig, build_gateway_app
 from charge_worker.sandbox.serve import ServedApp
@@ -120,6 +121,17 @@ class Provider:
         async with httpx.AsyncClient(trust_env=False) as client:
             response = await client.post(f"{self.url}/_sim/config", json=knobs)
             response.raise_for_status()
+
+    async def charge_again(self, due_body: bytes) -> None:
+        """A second charge of `due_body`'s key, made while the simulator checks no keys: the
+        double charge reconcile must find and refund."""
+        await self.configure(idempotency_enabled=False)
+        gateway = self.gateway()
+        try:
+            await gateway.charge(ChargeDue.model_validate_json(due_body))
+        finally:
+            await gateway.aclose()
+            await self.configure(idempotency_enabled=True)
 
     async def charges(self) -> list[dict[str, Any]]:
         """Every charge the simulator ever made, with its `idempotency_key`."""

@@ -86,8 +86,7 @@ class ContractGateway(Guarded):
         limiter: RateLimiter | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
-        require(api_key, "GATEWAY_API_KEY")
+        api_key = cfg.required_api_key()
         super().__init__(cfg, limiter=limiter)
         self.client = build_client(
             require(cfg.url, "GATEWAY_URL"),

@@ -54,7 +54,7 @@ from charge_worker.gateway.stripe_http import OwnedHTTPClient
 from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
-from charge_worker.settings import GatewaySettings, require
+from charge_worker.settings import GatewaySettings
 
 STRIPE_API = "https://api.stripe.com"
 # A period's charge is made once it is due: at its first day, or a little before when billed
@@ -80,8 +80,7 @@ class StripeGateway(Guarded):
         limiter: RateLimiter | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        api_key = cfg.api_key.get_secret_value() if cfg.api_key else ""
-        require(api_key, "GATEWAY_API_KEY")
+        api_key = cfg.required_api_key()
         if not api_key.startswith(("sk_", "rk_")):
             raise SettingsError(
                 "GATEWAY_API_KEY: a Stripe secret key starts with sk_ (or rk_, restricted)"

@@ -54,7 +54,7 @@ from charge_worker.gateway.results import (
 from charge_worker.http import build_client
 from charge_worker.messages import ChargeDue
 from charge_worker.ratelimit import RateLimiter
-from charge_worker.settings import GatewaySettings, require
+from charge_worker.settings import GatewaySettings
 
 YOOKASSA_API = "https://api.yookassa.ru"
 # YooKassa's limit on an Idempotence-Key. The longest is a refund's, `refund:<payment id>`
@@ -89,9 +89,7 @@ class YooKassaGateway(Guarded):
         limiter: RateLimiter | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        credentials = require(
-            cfg.api_key.get_secret_value() if cfg.api_key else "", "GATEWAY_API_KEY"
-        )
+        credentials = cfg.required_api_key()
         if not _CREDENTIALS.fullmatch(credentials):
             raise SettingsError(
                 "GATEWAY_API_KEY: for GATEWAY_KIND=yookassa, <shopId>:<secret key>"
