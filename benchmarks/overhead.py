@@ -137,7 +137,14 @@ class Connection:
 
     async def fetchrow(self, _sql: str, *_args: object) -> dict[str, object]:
         await asyncio.sleep(0)
-        return {"attempt": 1, "gateway_calls": 0, "scoring": None, "taken_from": None}
+        return {
+            "attempt": 1,
+            "gateway_calls": 0,
+            "scoring": None,
+            "since": OCCURRED_AT,
+            "taken_from": None,
+            "nak_delivery": None,
+        }
 
     async def fetchval(self, _sql: str, *_args: object) -> int:
         await asyncio.sleep(0)
