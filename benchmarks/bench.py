@@ -25,6 +25,7 @@ class Sizes:
     memory_messages: int  # the memory case's goal
     memory_budget_s: float  # ...and the longest its drain may take
     paced_s: float  # the latency phase after each worker throughput sample
+    sliced_turns: int  # case 2s: turns of each pipeline (`sliced.TURN_S` each)
 
 
 # The default run ends near its 540 s budget (`runner.RUN_BUDGET_S`) on 2 cores: the
@@ -39,6 +40,7 @@ DEFAULT = Sizes(
     memory_messages=100_000,
     memory_budget_s=600.0,
     paced_s=5.0,
+    sliced_turns=20,
 )
 QUICK = Sizes(
     repeats=2,
@@ -47,6 +49,7 @@ QUICK = Sizes(
     memory_messages=20_000,
     memory_budget_s=90.0,
     paced_s=3.0,
+    sliced_turns=5,
 )
 
 

@@ -292,6 +292,12 @@ class Drained:
     # transactions committed in the sample's database over the whole sample (setup, drain,
     # paced phase, the consumers' start and stop), from `pg_stat_database`
     transactions: int = 0
+    started_at: float = 0.0  # the harness's monotonic clock when the consumer was resumed
+
+    @property
+    def midpoint(self) -> float:
+        """The middle of the drain, on the harness's monotonic clock."""
+        return self.started_at + self.seconds / 2
 
     @property
     def whole_rate(self) -> float:
@@ -390,7 +396,7 @@ async def _committed(conn: asyncpg.Connection) -> int:
     )
 
 
-async def _disable_outbox(database_url: str) -> None:
+async def disable_outbox(database_url: str) -> None:
     """No outbox: the ledger's triggers that write it (migrations/0012) are off."""
     conn = await asyncpg.connect(database_url)
     try:
@@ -421,7 +427,7 @@ async def _wait_outcomes(js: JetStreamContext, cfg: NatsSettings, count: int) ->
         await asyncio.sleep(load.POLL_S)
 
 
-async def _provision_paused(js: JetStreamContext, settings: Settings) -> None:
+async def provision_paused(js: JetStreamContext, settings: Settings) -> None:
     cfg = settings.nats
     await js.add_stream(streams.charges_stream(cfg))
     await js.add_stream(streams.dlq_stream(cfg))
@@ -435,7 +441,7 @@ async def _provision_paused(js: JetStreamContext, settings: Settings) -> None:
     await js.pause_consumer(cfg.stream, cfg.durable, until.isoformat().replace("+00:00", "Z"))
 
 
-async def _delete_streams(js: JetStreamContext, cfg: NatsSettings) -> None:
+async def delete_streams(js: JetStreamContext, cfg: NatsSettings) -> None:
     for name in (cfg.stream, cfg.dlq_stream, cfg.outcomes_stream):
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await js.delete_stream(name)
@@ -540,6 +546,7 @@ async def _measure(
         rss_by_acked=polled.rss_by_acked,
         events=plan.events,
         metered_s=metered - started,
+        started_at=started,
     )
 
 
@@ -601,9 +608,9 @@ async def drain(
     nc = await streams.connect(cfg, name="charge-worker-bench", reconnect=False)
     try:
         js = nc.jetstream()
-        await _provision_paused(js, settings)
+        await provision_paused(js, settings)
         if plan.events != "outbox":
-            await _disable_outbox(database_url)
+            await disable_outbox(database_url)
         backlog = range(1, plan.messages + 1)
         if plan.subscriptions:
             progress(f"adding {plan.messages:,} matching subscriptions")
@@ -619,7 +626,7 @@ async def drain(
         result.statuses, result.outbox_rows, result.transactions = await _statuses(database_url)
     finally:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await _delete_streams(nc.jetstream(), cfg)
+            await delete_streams(nc.jetstream(), cfg)
         await nc.close()
         await stack.drop_database(database_url)
     return result

@@ -12,7 +12,8 @@ from benchmarks.drain import Drained
 from benchmarks.latency_bound import INCIDENT_SCORING, SCORING, bound, mean_latency_s
 from benchmarks.memory import MemoryResult
 from benchmarks.month_start import MonthStart
-from benchmarks.stats import Summary, Target, median, ratio
+from benchmarks.sliced import TURN_S, Sliced
+from benchmarks.stats import Summary, Target, interpolated, median, ratio
 
 MIB = 1024 * 1024  # RSS is reported in binary megabytes
 GROUPS = ("consumer", "postgres", "gateway sim", "scoring sim", "nats-server", "harness")
@@ -23,6 +24,9 @@ TARGETS = {
     # case 2b: the same targets with CHARGE_WORKER_VERIFY_SUBSCRIPTION=match
     "throughput_verified": Target("worker+check / bare throughput", ">=", 0.85),
     "cpu_verified": Target("worker+check / bare CPU/charge", "<=", 1.25),
+    # case 2s: the same targets, the two pipelines taking turns of 1 s (benchmarks/sliced.py)
+    "throughput_sliced": Target("worker / bare throughput, turns", ">=", 0.85),
+    "cpu_sliced": Target("worker / bare CPU/charge, turns", "<=", 1.25),
     "little": Target("latency-bound / Little's law", ">=", 0.9),
     "incident": Target("incident / latency-bound", ">=", 0.8),
     "scale_out": Target("2 processes / 1 process", ">=", 1.8),
@@ -43,6 +47,7 @@ class Results:
     scale_out: list[Drained] = field(default_factory=list)
     memory: MemoryResult | None = None
     month_start: MonthStart | None = None
+    sliced: Sliced | None = None  # case 2s
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,16 @@ def _pairwise(
     return [ratio(figure(a), figure(b)) for a, b in zip(top, bottom, strict=False)]
 
 
+def _bracketed(
+    top: Sequence[Drained], bottom: Sequence[Drained], figure: Callable[[Drained], float]
+) -> list[float]:
+    """Each sample of `top` against `bottom`'s figure at its moment: interpolated between
+    the `bottom` samples drained just before and just after it (`stats.interpolated`), so
+    the machine's drift over the run does not fall on one case."""
+    series = [(sample.midpoint, figure(sample)) for sample in bottom]
+    return [ratio(figure(sample), interpolated(series, sample.midpoint)) for sample in top]
+
+
 def mean_slot_s(samples: Sequence[Drained]) -> float:
     """Mean delivery-to-ack time over every message of the samples (server's view)."""
     times = [t for sample in samples for t in sample.service_s]
@@ -114,11 +129,12 @@ def _worker_ratios(
     *,
     check_off: Sequence[Drained] = (),
 ) -> list[Ratio]:
-    """Throughput and CPU per charge of `worker` against `bare`, pair by pair; with
-    `check_off` (case 2b), the notes give the check's own cost against case 2 too."""
-    bare_rate = median([_rate(s) for s in bare])
+    """Throughput and CPU per charge of `worker` against `bare`: the median over the worker
+    samples of each against the bare samples around it (`_bracketed`); with `check_off`
+    (case 2b), the notes give the check's own cost against case 2 too."""
+    rates = _bracketed(worker, bare, _rate)
+    cpus = _bracketed(worker, bare, _cpu)
     worker_rate = median([_rate(s) for s in worker])
-    bare_cpu = median([_cpu(s) for s in bare])
     worker_cpu = median([_cpu(s) for s in worker])
     bare_all = median([_cpu_all(s) for s in bare])
     worker_all = median([_cpu_all(s) for s in worker])
@@ -134,14 +150,41 @@ def _worker_ratios(
             f"{ratio(_median_cpu(worker, 'postgres'), _median_cpu(check_off, 'postgres')):.2f}"
         )
     return [
-        Ratio(keys[0], ratio(worker_rate, bare_rate), _pairwise(worker, bare, _rate), rate_note),
+        Ratio(keys[0], median(rates), rates, rate_note),
         Ratio(
             keys[1],
-            ratio(worker_cpu, bare_cpu),
-            _pairwise(worker, bare, _cpu),
+            median(cpus),
+            cpus,
             f"consumer process only; all processes (PostgreSQL, simulators, nats-server, "
             f"harness too): worker {worker_all:,.0f} vs bare {bare_all:,.0f} us/charge = "
             f"{ratio(worker_all, bare_all):.2f}{cpu_extra}",
+        ),
+    ]
+
+
+def _sliced_ratios(sliced: Sliced) -> list[Ratio]:
+    """Case 2s: the median over the worker's turns of each against the bare pipeline's
+    turns around it."""
+    rates, cpus = sliced.against_bare("rate"), sliced.against_bare("consumer")
+    if not rates:
+        return []
+    turns = len(rates)
+    every, postgres = sliced.against_bare("all"), sliced.against_bare("postgres")
+    return [
+        Ratio(
+            "throughput_sliced",
+            median(rates),
+            rates,
+            f"{turns} turns of {TURN_S:g} s each, the first left out; charges/s alone: bare "
+            f"{median([t.rate for t in sliced.measured('bare')]):,.0f}, worker "
+            f"{median([t.rate for t in sliced.measured('worker')]):,.0f}",
+        ),
+        Ratio(
+            "cpu_sliced",
+            median(cpus),
+            cpus,
+            f"consumer process only; all processes {median(every):.2f}, PostgreSQL "
+            f"{median(postgres):.2f}",
         ),
     ]
 
@@ -162,6 +205,8 @@ def ratios(results: Results) -> list[Ratio]:
             ("throughput_verified", "cpu_verified"),
             check_off=results.worker,
         )
+    if results.sliced is not None:
+        out += _sliced_ratios(results.sliced)
     if results.latency_bound:
         little = bound(conc, SCORING)
         rates = [_rate(s) for s in results.latency_bound]

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks import latency_bound, memory, month_start, report, throughput
+from benchmarks import latency_bound, memory, month_start, report, sliced, throughput
 from benchmarks.bench import DEFAULT, QUICK, ROOT, Bench, Sizes
 from benchmarks.stack import Stack
 from benchmarks.stats import median
@@ -163,6 +163,10 @@ async def run_cases(
             results.worker.append(await throughput.worker_sample(bench, k))
             results.worker_no_outbox.append(await throughput.no_outbox_sample(bench, k))
             results.worker_verified.append(await throughput.verified_sample(bench, k))
+        # one more: every worker sample is then set against a bare sample on either side
+        results.bare.append(await throughput.bare_sample(bench, sizes.repeats + 1))
+        bench.say(f"2s, in turns: bare pipeline and worker, {sizes.sliced_turns} turns each")
+        results.sliced = await sliced.sliced_sample(bench, sizes.sliced_turns)
     if "latency" in only:
         step += 1
         bench.say(
@@ -235,6 +239,7 @@ def record(
         },
         "ratios": [item.as_json() for item in found],
         "outbox_cost": cost.as_json() if (cost := report.outbox_cost(results)) else None,
+        "sliced": results.sliced.as_json() if results.sliced else None,
         "anomalies": report.anomalies(results),
         "contended": report.contended(results),
         "samples": {

@@ -199,6 +199,24 @@ def crossing_time(series: Sequence[tuple[float, int]], level: float) -> float:
     raise ValueError(f"the count never reached {level}")
 
 
+def interpolated(series: Sequence[tuple[float, float]], at: float) -> float:
+    """The value at time `at` of a figure measured at the times of `series` ((time, value),
+    in any order): linear between the measurements just before and just after `at`, the
+    nearest one's where `at` is outside them. A drift of the machine between two samples of
+    one case then falls on the sample of another case taken between them alike, whichever
+    way it goes."""
+    if not series:
+        raise ValueError("no measurements")
+    before = max((point for point in series if point[0] <= at), default=None)
+    after = min((point for point in series if point[0] >= at), default=None)
+    if before is None or after is None or before[0] == after[0]:
+        nearest = before or after
+        assert nearest is not None
+        return nearest[1]
+    weight = (at - before[0]) / (after[0] - before[0])
+    return before[1] + weight * (after[1] - before[1])
+
+
 def steady_rate(
     series: Sequence[tuple[float, int]], total: int, low: float = 0.1, high: float = 0.9
 ) -> float:

@@ -98,7 +98,8 @@ async def bare_sample(bench: Bench, k: int) -> Drained:
     settings = bench.settings(database_url)
     plan = zero_latency_plan(bench, bench.sizes.throughput_messages, events="direct")
     consumer = bare_consumer(bench, settings, f"bare-{k}")
-    return await bench.sample(f"bare pipeline {k}/{bench.sizes.repeats}", plan, settings, consumer)
+    label = f"bare pipeline {k}/{bench.sizes.repeats + 1}"  # one after the last round too
+    return await bench.sample(label, plan, settings, consumer)
 
 
 async def worker_sample(bench: Bench, k: int) -> Drained:

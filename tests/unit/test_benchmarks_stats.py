@@ -19,6 +19,7 @@ from benchmarks.report import (
     ratios,
     table,
 )
+from benchmarks.sliced import Sliced, Turn
 from benchmarks.stats import (
     Summary,
     Target,
@@ -26,6 +27,7 @@ from benchmarks.stats import (
     capped_uniform_mean,
     crossing_time,
     growth,
+    interpolated,
     littles_law_bound,
     median,
     model_mean,
@@ -196,6 +198,7 @@ def _drained(
     outbox_rows: int | None = None,
     statuses: dict[str, int] | None = None,
     declined: int = 0,
+    started_at: float = 0.0,
 ) -> Drained:
     """A clean sample of 100 charges: one outcome event each, as `events` makes them; of
     them `declined` declined and settled as the pipeline settles a soft decline."""
@@ -215,7 +218,45 @@ def _drained(
         events=events,
         outcomes=(0 if events == "none" else 100) if outcomes is None else outcomes,
         outbox_rows=(100 if events == "outbox" else 0) if outbox_rows is None else outbox_rows,
+        started_at=started_at,
     )
+
+
+def test_a_figure_is_interpolated_between_the_measurements_around_a_moment() -> None:
+    series = [(30.0, 300.0), (10.0, 100.0), (20.0, 150.0)]
+    assert interpolated(series, 15.0) == pytest.approx(125.0)
+    assert interpolated(series, 25.0) == pytest.approx(225.0)
+    assert interpolated(series, 20.0) == pytest.approx(150.0)
+    assert interpolated(series, 5.0) == 100.0  # before the first: the first
+    assert interpolated(series, 35.0) == 300.0  # after the last: the last
+    with pytest.raises(ValueError, match="no measurements"):
+        interpolated([], 1.0)
+
+
+def test_each_worker_sample_is_set_against_the_bare_samples_taken_before_and_after_it() -> None:
+    # The machine slows down through the run: the bare pipeline drains 100 charges in 1 s,
+    # then 1.5 s, then 2 s. Each worker sample, its drain half-way between two bare ones,
+    # runs at 0.8x the bare rate of its moment; set against the bare sample before it
+    # alone, it would look slower.
+    bare = [
+        _drained(seconds, 0.10 * seconds / 1.5, 0.05, events="direct", started_at=at)
+        for at, seconds in [(0.0, 1.0), (100.0, 1.5), (200.0, 2.0)]
+    ]
+
+    def worker_at(midpoint: float, bare_rate: float) -> Drained:
+        seconds = 100 / (0.8 * bare_rate)
+        return _drained(seconds, 0.12, 0.06, started_at=midpoint - seconds / 2)
+
+    worker = [
+        worker_at((bare[0].midpoint + bare[1].midpoint) / 2, (100 + 100 / 1.5) / 2),
+        worker_at((bare[1].midpoint + bare[2].midpoint) / 2, (100 / 1.5 + 50) / 2),
+    ]
+    found = {item.key: item for item in ratios(Results(concurrency=16, bare=bare, worker=worker))}
+    assert found["throughput"].pairwise == pytest.approx([0.8, 0.8])
+    assert found["throughput"].value == pytest.approx(0.8)
+    assert worker[0].rate / bare[0].rate == pytest.approx(2 / 3)  # the naive pair
+    # the CPU per charge is bracketed too: the bare pipeline's 0.067, 0.1, 0.133 ms
+    assert found["cpu"].pairwise == pytest.approx([0.12 / (0.25 / 3), 0.12 / (0.35 / 3)])
 
 
 def test_the_subscription_check_row_is_its_own_pair_of_ratios_against_the_same_bare() -> None:
@@ -345,3 +386,29 @@ def test_the_ledger_lines_give_rows_by_status_and_transactions_per_message() -> 
     assert "declined 10, succeeded 90" in bare
     assert "retry_scheduled 10, succeeded 90" in worker
     assert ledger_lines(Results(concurrency=16)) == []
+
+
+def test_each_worker_turn_is_set_against_the_bare_turns_around_it() -> None:
+    # Turns of 1 s, bare first and last: the bare pipeline acks 1,000, 900, 800, ... a turn as the
+    # machine slows down, the worker 80 % of the bare figure at its moment. The first turn
+    # of each is left out (it pays for the first fetch): the worker's first turn, 50 acks,
+    # would be a ratio of 0.05.
+    turns = []
+    for n in range(9):
+        bare_rate = 1000.0 - 50.0 * n
+        if n % 2 == 0:
+            turns.append(
+                Turn("bare", float(n), 1.0, int(bare_rate), {"consumer": 0.5, "postgres": 0.2})
+            )
+        else:
+            acked = 50 if n == 1 else int(0.8 * bare_rate)
+            turns.append(Turn("worker", float(n), 1.0, acked, {"consumer": 0.6, "postgres": 0.3}))
+    sliced = Sliced(turns)
+    assert [turn.acked for turn in sliced.measured("worker")] == [680, 600, 520]
+    assert sliced.against_bare("rate") == pytest.approx([0.8, 0.8, 0.8], abs=0.002)
+    found = {item.key: item for item in ratios(Results(concurrency=16, sliced=sliced))}
+    assert found["throughput_sliced"].value == pytest.approx(0.8, abs=0.002)
+    # consumer CPU per charge: 0.6 s / 680 against the bare's 0.5 s / 850 (interpolated)
+    assert found["cpu_sliced"].pairwise[0] == pytest.approx((0.6 / 680) / (0.5 / 850), rel=0.01)
+    assert "3 turns of 1 s each" in found["throughput_sliced"].note
+    assert not found["throughput_sliced"].target.met(found["throughput_sliced"].value)
