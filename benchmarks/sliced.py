@@ -40,7 +40,7 @@ from nats.js import JetStreamContext
 from benchmarks import load, throughput
 from benchmarks.bench import Bench
 from benchmarks.drain import Consumers, Workers, delete_streams, disable_outbox, provision_paused
-from benchmarks.processes import CpuMeter
+from benchmarks.processes import OTHER, STEAL, CpuMeter
 from benchmarks.stats import interpolated, per_item_us, ratio
 from charge_worker import streams
 from charge_worker.settings import Settings
@@ -68,8 +68,12 @@ class Turn:
         return ratio(self.acked, self.seconds)
 
     def cpu_us_per_charge(self, group: str | None = None) -> float:
-        """CPU µs per charge of one group, or of every group (`None`)."""
-        spent = self.cpu_s.get(group, 0.0) if group else sum(self.cpu_s.values())
+        """CPU µs per charge of one group, or of every group of the benchmark's (`None`;
+        not the machine's other load, nor the time the hypervisor stole)."""
+        if group is None:
+            spent = sum(v for name, v in self.cpu_s.items() if name not in (OTHER, STEAL))
+        else:
+            spent = self.cpu_s.get(group, 0.0)
         return per_item_us(spent, self.acked)
 
 
@@ -83,7 +87,8 @@ class Sliced:
 
     def against_bare(self, figure: str) -> list[float]:
         """Each measured worker turn's figure against the bare pipeline's at its moment:
-        `rate`, `consumer` (its CPU per charge), `all` (every process group's)."""
+        `rate`, `all` (the CPU per charge of every group), or a group's CPU per charge
+        (`consumer`, `postgres`, ...)."""
 
         def value(turn: Turn) -> float:
             if figure == "rate":

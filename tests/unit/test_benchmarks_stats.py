@@ -10,6 +10,7 @@ import pytest
 from benchmarks.drain import Drained, Events
 from benchmarks.load import customer_id, declining, due_body, parse_timestamp
 from benchmarks.memory import plan_size
+from benchmarks.processes import OTHER, STEAL
 from benchmarks.report import (
     Results,
     anomalies,
@@ -411,4 +412,7 @@ def test_each_worker_turn_is_set_against_the_bare_turns_around_it() -> None:
     # consumer CPU per charge: 0.6 s / 680 against the bare's 0.5 s / 850 (interpolated)
     assert found["cpu_sliced"].pairwise[0] == pytest.approx((0.6 / 680) / (0.5 / 850), rel=0.01)
     assert "3 turns of 1 s each" in found["throughput_sliced"].note
+    # every group of the benchmark's, not the machine's other load nor stolen time
+    busy = Turn("bare", 0.0, 1.0, 100, {"consumer": 0.1, "postgres": 0.05, OTHER: 1.0, STEAL: 1.0})
+    assert busy.cpu_us_per_charge() == pytest.approx(1500.0)
     assert not found["throughput_sliced"].target.met(found["throughput_sliced"].value)
