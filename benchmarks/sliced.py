@@ -129,6 +129,7 @@ async def sliced_sample(bench: Bench, turns: int) -> Sliced:
     }
     nc = await streams.connect(settings["bare"].nats, name="charge-worker-bench", reconnect=False)
     result = Sliced()
+    started: list[str] = []
     try:
         js = nc.jetstream()
         for name in PIPELINES:
@@ -146,6 +147,7 @@ async def sliced_sample(bench: Bench, turns: int) -> Sliced:
         await disable_outbox(settings["bare"].db.dsn)
         for name in PIPELINES:
             consumers[name].start()
+            started.append(name)
             bench.live.append(consumers[name])
         for name in PIPELINES:
             await consumers[name].wait_ready(bench.http)
@@ -156,13 +158,13 @@ async def sliced_sample(bench: Bench, turns: int) -> Sliced:
             bench, js, settings, consumers, turns=turns, messages=messages
         )
     finally:
-        for name in PIPELINES:
+        for name in started:
             _signal(consumers[name].pids, signal.SIGCONT)
-        for name in PIPELINES:
-            with contextlib.suppress(Exception):
-                await consumers[name].stop()
-            if consumers[name] in bench.live:
-                bench.live.remove(consumers[name])
+        for name in started:
+            codes = await consumers[name].stop()
+            if any(code != 0 for code in codes):
+                bench.say(f"2s, in turns: WARNING: {name} exit codes {codes}")
+            bench.live.remove(consumers[name])
         for name in PIPELINES:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await delete_streams(nc.jetstream(), settings[name].nats)
