@@ -13,7 +13,7 @@ from benchmarks.latency_bound import INCIDENT_SCORING, SCORING, bound, mean_late
 from benchmarks.memory import MemoryResult
 from benchmarks.month_start import MonthStart
 from benchmarks.sliced import TURN_S, Sliced
-from benchmarks.stats import Summary, Target, interpolated, median, ratio
+from benchmarks.stats import Summary, Target, against_moments, median, ratio
 
 MIB = 1024 * 1024  # RSS is reported in binary megabytes
 GROUPS = ("consumer", "postgres", "gateway sim", "scoring sim", "nats-server", "harness")
@@ -110,10 +110,12 @@ def _bracketed(
     top: Sequence[Drained], bottom: Sequence[Drained], figure: Callable[[Drained], float]
 ) -> list[float]:
     """Each sample of `top` against `bottom`'s figure at its moment: interpolated between
-    the `bottom` samples drained just before and just after it (`stats.interpolated`), so
+    the `bottom` samples drained just before and just after it (`stats.against_moments`), so
     the machine's drift over the run does not fall on one case."""
-    series = [(sample.midpoint, figure(sample)) for sample in bottom]
-    return [ratio(figure(sample), interpolated(series, sample.midpoint)) for sample in top]
+    return against_moments(
+        [(sample.midpoint, figure(sample)) for sample in top],
+        [(sample.midpoint, figure(sample)) for sample in bottom],
+    )
 
 
 def mean_slot_s(samples: Sequence[Drained]) -> float:

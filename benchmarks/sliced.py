@@ -10,7 +10,7 @@ pipeline alone on the machine; a drift slower than a turn falls on both alike.
 Each turn's figures are read while both pipelines are stopped, between two turns: the
 messages acked (the consumer's pending and ack-pending counts) and the CPU of every
 process group. Each worker turn is then set against the bare pipeline's turns just before
-and after it (`stats.interpolated`), as the drain samples are. The first `WARM_TURNS` of
+and after it (`stats.against_moments`), as the drain samples are. The first `WARM_TURNS` of
 each pipeline are left out (connections, the first fetch). Each backlog is sized to outlast
 its turns at `MAX_RATE`; after the last turn both consumers are stopped gracefully,
 mid-backlog.
@@ -41,7 +41,7 @@ from benchmarks import load, throughput
 from benchmarks.bench import Bench
 from benchmarks.drain import Consumers, Workers, delete_streams, disable_outbox, provision_paused
 from benchmarks.processes import OTHER, STEAL, CpuMeter
-from benchmarks.stats import interpolated, per_item_us, ratio
+from benchmarks.stats import against_moments, per_item_us, ratio
 from charge_worker import streams
 from charge_worker.settings import Settings
 
@@ -98,10 +98,9 @@ class Sliced:
         bare = [(turn.midpoint, value(turn)) for turn in self.measured("bare")]
         if not bare:
             return []
-        return [
-            ratio(value(turn), interpolated(bare, turn.midpoint))
-            for turn in self.measured("worker")
-        ]
+        return against_moments(
+            [(turn.midpoint, value(turn)) for turn in self.measured("worker")], bare
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {"turn_s": TURN_S, "turns": [dataclasses.asdict(turn) for turn in self.turns]}
@@ -187,10 +186,10 @@ async def _take_turns(
     one more of the bare pipeline, so that every worker turn has a bare turn on each side."""
     taken: list[Turn] = []
     acked = dict.fromkeys(PIPELINES, 0)
+    servers = bench.stack.pids()
     for n in range(2 * turns + 1):
         name = PIPELINES[n % 2]
-        groups = bench.stack.pids() | {"consumer": consumers[name].pids}
-        meter = CpuMeter(groups, frozenset({"postgres"}))
+        meter = CpuMeter(servers | {"consumer": consumers[name].pids}, frozenset({"postgres"}))
         meter.start()
         started = time.monotonic()
         await asyncio.sleep(TURN_S)

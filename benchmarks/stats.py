@@ -217,6 +217,13 @@ def interpolated(series: Sequence[tuple[float, float]], at: float) -> float:
     return before[1] + weight * (after[1] - before[1])
 
 
+def against_moments(
+    top: Sequence[tuple[float, float]], bottom: Sequence[tuple[float, float]]
+) -> list[float]:
+    """Each (time, value) of `top` against `bottom`'s value at its time (`interpolated`)."""
+    return [ratio(value, interpolated(bottom, at)) for at, value in top]
+
+
 def steady_rate(
     series: Sequence[tuple[float, int]], total: int, low: float = 0.1, high: float = 0.9
 ) -> float:
