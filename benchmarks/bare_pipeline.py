@@ -108,10 +108,10 @@ class BarePipeline:
             charge = json.loads(msg.data)
             order_id, period = charge["order_id"], dt.date.fromisoformat(charge["billing_period"])
             key = f"{order_id}:{charge['billing_period']}"
-            await self._claim(charge, period, key)
+            await claim(self.pool, charge, period, key)
             await self._score(charge)
             charge_id, decline_code = await self._charge(charge, key)
-            await self._mark(order_id, period, charge_id, decline_code)
+            await mark(self.pool, order_id, period, charge_id, decline_code)
             if self.config.outcome_events:
                 self.unsent.append(_outcome(charge, charge_id, decline_code))
             await msg.ack()
@@ -130,21 +130,8 @@ class BarePipeline:
             self.failed += 1
             print(f"bare pipeline: {error!r}", file=sys.stderr, flush=True)
 
-    # One method per round trip, each the bare form of a step of the worker's pipeline.
-    async def _claim(self, charge: dict[str, Any], period: dt.date, key: str) -> None:
-        await self.pool.execute(
-            CLAIM,
-            charge["order_id"],
-            period,
-            key,
-            charge["subscription_id"],
-            charge["customer_id"],
-            charge["amount_minor"],
-            charge["currency"],
-            dt.datetime.fromisoformat(charge["due_at"]),
-            OWNER,
-        )
-
+    # One method per round trip, each the bare form of a step of the worker's pipeline (the
+    # ledger's two: `claim` and `mark`, below).
     async def _score(self, charge: dict[str, Any]) -> None:
         score = {
             "order_id": charge["order_id"],
@@ -172,12 +159,6 @@ class BarePipeline:
             return None, str(error.get("decline_code") or GENERIC_DECLINE)
         answer.raise_for_status()
         return str(answer.json()["id"]), None
-
-    async def _mark(
-        self, order_id: int, period: dt.date, charge_id: str | None, decline_code: str | None
-    ) -> None:
-        status = "succeeded" if decline_code is None else "declined"
-        await self.pool.execute(MARK, order_id, period, status, charge_id, decline_code)
 
     # The relay's part, bare: publish what was marked, in batches.
     async def publish_outcomes(self) -> int:
@@ -246,6 +227,34 @@ class BarePipeline:
             while await self.publish_outcomes():
                 pass
             await nc.close()
+
+
+async def claim(pool: asyncpg.Pool, charge: dict[str, Any], period: dt.date, key: str) -> None:
+    """The bare claim of a `charge.due/v1` body: its row inserted `pending`, leased."""
+    await pool.execute(
+        CLAIM,
+        charge["order_id"],
+        period,
+        key,
+        charge["subscription_id"],
+        charge["customer_id"],
+        charge["amount_minor"],
+        charge["currency"],
+        dt.datetime.fromisoformat(charge["due_at"]),
+        OWNER,
+    )
+
+
+async def mark(
+    pool: asyncpg.Pool,
+    order_id: int,
+    period: dt.date,
+    charge_id: str | None,
+    decline_code: str | None,
+) -> None:
+    """The bare settle: `succeeded` with the charge's id, or `declined` with its code."""
+    status = "succeeded" if decline_code is None else "declined"
+    await pool.execute(MARK, order_id, period, status, charge_id, decline_code)
 
 
 def _outcome(

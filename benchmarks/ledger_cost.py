@@ -33,6 +33,7 @@ create databases) on a server whose backends this user can read in `/proc`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -44,7 +45,8 @@ from dataclasses import dataclass
 import asyncpg
 import psutil
 
-from benchmarks.bare_pipeline import CLAIM, MARK, OWNER
+from benchmarks import bare_pipeline
+from benchmarks.bare_pipeline import OWNER
 from benchmarks.load import due_body
 from benchmarks.processes import cpu_seconds
 from benchmarks.stack import with_database
@@ -157,19 +159,9 @@ class Subject:
         )
 
     async def _bare(self, charge: ChargeDue) -> None:
-        key = (charge.order_id, charge.billing_period)
-        await self.pool.execute(
-            CLAIM,
-            *key,
-            charge.key,
-            charge.subscription_id,
-            charge.customer_id,
-            charge.amount_minor,
-            charge.currency,
-            charge.due_at,
-            OWNER,
-        )
-        await self.pool.execute(MARK, *key, "succeeded", f"ch_{charge.order_id}", None)
+        period, order_id = charge.billing_period, charge.order_id
+        await bare_pipeline.claim(self.pool, json.loads(due_body(order_id)), period, charge.key)
+        await bare_pipeline.mark(self.pool, order_id, period, f"ch_{order_id}", None)
 
     async def check(self, order_ids: range) -> None:
         """The round left what the variant writes (`Variant.expected`)."""

@@ -5,29 +5,14 @@ cheap, so every round checks its rows and the run fails on a mismatch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from benchmarks.ledger_cost import VARIANTS
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benchmarks import run_benchmark
 
 
 def test_every_variant_writes_its_part_and_is_reported(pg_admin_url: str) -> None:
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "DATABASE_URL": pg_admin_url,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ledger_cost", "--rounds", "1", "--charges", "20"],
-        check=False,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
+    done = run_benchmark(
+        "ledger_cost", "--rounds", "1", "--charges", "20", env={"DATABASE_URL": pg_admin_url}
     )
     assert done.returncode == 0, done.stdout + done.stderr
     reported = [
