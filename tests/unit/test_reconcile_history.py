@@ -99,7 +99,7 @@ async def test_one_page_at_a_time_is_held_however_long_the_history() -> None:
                 # whose timing differs by interpreter: collect, so the peak counts pages held.
                 # The young generations only: a page's cycles are that young, and a full
                 # collection walks the test process's whole heap at every page (over 80 % of
-                # this test's time, 83 s of CPU under pytest-xdist).
+                # this test's time: 83 s in make test's parallel run).
                 gc.collect(1)
             return tracemalloc.get_traced_memory()[1]
         finally:
