@@ -14,7 +14,7 @@ EXTRA_PYTHONS ?= 3.12 3.13
 UV_VERSION := 0.13.9
 LOCK_VENV := .venv-lock
 
-.PHONY: demo test chaos-quick lint bench chaos clean check-deploy lock test-pythons
+.PHONY: demo test chaos-quick lint bench chaos clean check-deploy lock test-pythons pythons-venvs
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,16 @@ $(LOCALSTRIPE_STAMP):
 # when there is none
 find_python = for p in "$$(command -v python$(1))" $(HOME)/.pyenv/versions/$(1).*/bin/python$(1); do \
 	"$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done
+
+# The venvs of the EXTRA_PYTHONS interpreters there are, and nothing else: .ci/run makes them
+# while `make test` runs, which leaves about half a core idle.
+pythons-venvs: $(STAMP)
+	@for version in $(EXTRA_PYTHONS); do \
+	    python=$$($(call find_python,$$version)); \
+	    if [ -n "$$python" ]; then \
+	        $(MAKE) --no-print-directory .venv-$$version/.installed PYTHON_X=$$python || exit 1; \
+	    fi; \
+	done
 
 # PYTHONS_TESTS (default: the unit and integration tiers) on every EXTRA_PYTHONS interpreter
 # there is, one after the other, each in TEST_WORKERS processes. .ci/run narrows it to the
