@@ -79,11 +79,10 @@ pythons-venvs: $(STAMP)
 # unit tier (the pipeline and the consumer on fakes included): what changes with the
 # interpreter.
 PYTHONS_TESTS ?= tests/unit tests/integration
-test-pythons: $(STAMP)
+test-pythons: pythons-venvs
 	@for version in $(EXTRA_PYTHONS); do \
 	    python=$$($(call find_python,$$version)); \
 	    if [ -z "$$python" ]; then echo "test-pythons: python$$version not found, skipped"; continue; fi; \
-	    $(MAKE) --no-print-directory .venv-$$version/.installed PYTHON_X=$$python || exit 1; \
 	    echo "== Python $$version ($$python)"; \
 	    .venv-$$version/bin/python -m pytest -n $(TEST_WORKERS) $(PYTHONS_TESTS) $(PYTHONS_PYTEST_ARGS) || exit 1; \
 	done

@@ -106,12 +106,10 @@ class BarePipeline:
     async def handle(self, msg: Msg) -> None:
         try:
             charge = json.loads(msg.data)
-            order_id, period = charge["order_id"], dt.date.fromisoformat(charge["billing_period"])
-            key = f"{order_id}:{charge['billing_period']}"
-            await claim(self.pool, charge, period, key)
+            period, key = await claim(self.pool, charge)
             await self._score(charge)
             charge_id, decline_code = await self._charge(charge, key)
-            await mark(self.pool, order_id, period, charge_id, decline_code)
+            await mark(self.pool, charge["order_id"], period, charge_id, decline_code)
             if self.config.outcome_events:
                 self.unsent.append(_outcome(charge, charge_id, decline_code))
             await msg.ack()
@@ -229,8 +227,11 @@ class BarePipeline:
             await nc.close()
 
 
-async def claim(pool: asyncpg.Pool, charge: dict[str, Any], period: dt.date, key: str) -> None:
-    """The bare claim of a `charge.due/v1` body: its row inserted `pending`, leased."""
+async def claim(pool: asyncpg.Pool, charge: dict[str, Any]) -> tuple[dt.date, str]:
+    """The bare claim of a `charge.due/v1` body: its row inserted `pending`, leased. Returns
+    the charge's period and its idempotency key."""
+    period = dt.date.fromisoformat(charge["billing_period"])
+    key = f"{charge['order_id']}:{charge['billing_period']}"
     await pool.execute(
         CLAIM,
         charge["order_id"],
@@ -243,6 +244,7 @@ async def claim(pool: asyncpg.Pool, charge: dict[str, Any], period: dt.date, key
         dt.datetime.fromisoformat(charge["due_at"]),
         OWNER,
     )
+    return period, key
 
 
 async def mark(

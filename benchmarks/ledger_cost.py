@@ -49,7 +49,7 @@ from benchmarks import bare_pipeline
 from benchmarks.bare_pipeline import OWNER
 from benchmarks.load import due_body
 from benchmarks.processes import cpu_seconds
-from benchmarks.stack import with_database
+from benchmarks.stack import admin, with_database
 from charge_worker import event_loop
 from charge_worker.database import keep_session
 from charge_worker.ledger import Attempted, Ledger, Settlement
@@ -142,14 +142,15 @@ class Subject:
         """Write a charge for each order; the backend's CPU µs per charge."""
         before = cpu_seconds(self.backend)
         for order_id in order_ids:
-            charge = ChargeDue.model_validate_json(due_body(order_id))
-            await (self._worker(charge) if self.variant.worker else self._bare(charge))
+            body = due_body(order_id)
+            await (self._worker(body) if self.variant.worker else self._bare(body))
         if self.variant.relay:
             while await self.outbox.relay(RELAY_BATCH, _stored):
                 pass
         return (cpu_seconds(self.backend) - before) / len(order_ids) * 1e6
 
-    async def _worker(self, charge: ChargeDue) -> None:
+    async def _worker(self, body: bytes) -> None:
+        charge = ChargeDue.model_validate_json(body)
         claim = await self.ledger.claim(charge, OWNER, charge.order_id)
         await self.ledger.settle(
             claim,
@@ -158,9 +159,10 @@ class Subject:
             attempted=Attempted(calls=1, scoring="approved"),
         )
 
-    async def _bare(self, charge: ChargeDue) -> None:
-        period, order_id = charge.billing_period, charge.order_id
-        await bare_pipeline.claim(self.pool, json.loads(due_body(order_id)), period, charge.key)
+    async def _bare(self, body: bytes) -> None:
+        charge = json.loads(body)  # as the bare pipeline reads it
+        period, _ = await bare_pipeline.claim(self.pool, charge)
+        order_id = charge["order_id"]
         await bare_pipeline.mark(self.pool, order_id, period, f"ch_{order_id}", None)
 
     async def check(self, order_ids: range) -> None:
@@ -210,8 +212,8 @@ async def measure(
 
 async def _subject(stack: AsyncExitStack, admin_url: str, variant: Variant) -> Subject:
     name = f"ledger_cost_{uuid.uuid4().hex[:10]}"
-    await _admin(admin_url, f"CREATE DATABASE {name}")
-    stack.push_async_callback(_admin, admin_url, f"DROP DATABASE {name} WITH (FORCE)")
+    await admin(admin_url, f"CREATE DATABASE {name}")
+    stack.push_async_callback(admin, admin_url, f"DROP DATABASE {name} WITH (FORCE)")
     url = with_database(admin_url, name)
     await migrate(url)
     conn = await asyncpg.connect(url)
@@ -237,14 +239,6 @@ def _is_postgres(pid: int) -> bool:
         return "postgres" in psutil.Process(pid).name()
     except psutil.Error:
         return False
-
-
-async def _admin(admin_url: str, statement: str) -> None:
-    conn = await asyncpg.connect(admin_url)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
 
 
 def report(figures: dict[str, list[float]], charges: int) -> str:

@@ -45,6 +45,16 @@ def with_database(url: str, database: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path=f"/{database}"))
 
 
+async def admin(url: str, *statements: str) -> None:
+    """Run `statements` (CREATE DATABASE and the like) on one connection of their own."""
+    conn = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
 class Simulator:
     """One simulator as a child process on a free loopback port."""
 
@@ -139,12 +149,7 @@ class Stack:
         await migrate(with_database(self.admin_url, self.template))
 
     async def _admin(self, *statements: str) -> None:
-        conn = await asyncpg.connect(self.admin_url)
-        try:
-            for statement in statements:
-                await conn.execute(statement)
-        finally:
-            await conn.close()
+        await admin(self.admin_url, *statements)
 
     async def new_database(self) -> str:
         """A fresh, migrated, empty ledger; dropped by `drop_database` or on stop."""
